@@ -1,0 +1,330 @@
+"""fused_triplet: a fused CUDA torch.nn.TripletMarginLoss.
+
+One kernel reads anchor, positive and negative once and writes the per-sample losses (and the
+distances a backward needs); 'mean'/'sum' add one tiny deterministic reduction kernel. Eager
+PyTorch instead materialises `x1 - x2 + eps` (B x D) for each distance.
+
+Layout of this file: kernel sources -> build -> op registration -> torch path -> argument
+handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> command line.
+
+Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
+loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
+CUDA inputs of a floating dtype go to the fused kernels; everything else (CPU tensors, integer
+or complex dtypes, 0-d inputs, shapes that broadcast unusually, and - until the fused backward
+lands - inputs that require grad) takes a pure-torch path that computes exactly what torch does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import sys
+import warnings
+
+import torch
+from torch import Tensor
+
+__all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build"]
+
+# ---------------------------------------------------------------------------------------------
+# Kernel sources: kernels/*.cuh (shared helpers) then kernels/*.cu, read at import.
+# ---------------------------------------------------------------------------------------------
+
+_KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+
+
+def _read_kernel_sources(folder: str) -> dict:
+    """{file name: text} for the headers (first) and .cu files of `folder`; {} if it is absent."""
+    if not os.path.isdir(folder):
+        return {}
+    names = sorted(f for f in os.listdir(folder) if f.endswith(".cuh"))
+    names += sorted(f for f in os.listdir(folder) if f.endswith(".cu"))
+    sources = {}
+    for name in names:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            sources[name] = f.read()
+    return sources
+
+
+KERNEL_SOURCES = _read_kernel_sources(_KERNEL_DIR)
+
+
+def cuda_source() -> str:
+    """All kernel files as one translation unit (their local #include "..." lines dropped: the
+    headers come first)."""
+    parts = []
+    for name, text in KERNEL_SOURCES.items():
+        lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith('#include "')]
+        parts.append(f"// ---- {name}\n" + "\n".join(lines))
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Build: torch.utils.cpp_extension.load_inline, cached under torch's extension dir; the name
+# carries a hash of the sources and flags, so a changed source builds anew and an unchanged one
+# loads the cached library.
+# ---------------------------------------------------------------------------------------------
+
+NVCC_FLAGS = ["-O3", "-lineinfo", "-Xptxas=-v"]
+_library_path = None
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256((cuda_source() + " ".join(NVCC_FLAGS)).encode()).hexdigest()
+    return "fused_triplet_" + digest[:16]
+
+
+def build(verbose: bool = False) -> str:
+    """Compile (the first time only) and load the CUDA ops; returns the shared library's path.
+
+    Called on first CUDA use. Builds under $TORCH_EXTENSIONS_DIR, else torch's extension cache.
+    """
+    global _library_path
+    if _library_path is not None:
+        return _library_path
+    if not KERNEL_SOURCES:
+        raise RuntimeError(f"fused_triplet: no CUDA sources found in {_KERNEL_DIR}")
+    from torch.utils import cpp_extension
+
+    name = _extension_name()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = os.path.join(root, name)
+    os.makedirs(build_dir, exist_ok=True)
+    if not os.path.exists(os.path.join(build_dir, name + ".so")):
+        print(f"fused_triplet: compiling the CUDA kernels into {build_dir} "
+              "(once per source change, about a minute)...", file=sys.stderr, flush=True)
+    path = cpp_extension.load_inline(
+        name=name,
+        cpp_sources="",
+        cuda_sources=cuda_source(),
+        extra_cuda_cflags=NVCC_FLAGS,
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _register_fake_kernels()
+    _library_path = path
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Op registration: the schema and CUDA kernels live in C++ (kernels/register_ops.cu); the fake
+# kernel (shapes and dtypes only, for torch.compile and FakeTensor) is registered here.
+# ---------------------------------------------------------------------------------------------
+
+
+def _register_fake_kernels() -> None:
+    @torch.library.register_fake("fused_triplet::triplet_margin_loss")
+    def _triplet_margin_loss_fake(anchor, positive, negative, margin, p, eps, swap, reduction):
+        batch = anchor.shape[:-1]
+        acc_dtype = torch.float64 if anchor.dtype == torch.float64 else torch.float32
+        loss = anchor.new_empty(batch if reduction == 0 else ())
+        dists = anchor.new_empty((3 if swap else 2, math.prod(batch)), dtype=acc_dtype)
+        return loss, dists
+
+
+def _ops():
+    build()
+    return torch.ops.fused_triplet
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch path: exactly ATen's triplet_margin_loss (CompositeImplicitAutograd), in torch ops.
+# Used for CPU tensors and every input the kernels do not take; autograd works through it.
+# ---------------------------------------------------------------------------------------------
+
+
+def _pairwise_distance(x1: Tensor, x2: Tensor, p: float, eps: float) -> Tensor:
+    innermost_dim = max(x1.dim(), x2.dim()) - 1  # as ATen writes it (-1 for 0-d inputs)
+    return torch.linalg.vector_norm(x1 - x2 + eps, p, dim=innermost_dim)
+
+
+def _torch_triplet_margin_loss(anchor, positive, negative, margin, p, eps, swap, reduction):
+    if not anchor.dim() == positive.dim() == negative.dim():
+        raise RuntimeError(
+            "The anchor, positive, and negative tensors are expected to have the same number of "
+            f"dimensions, but got: anchor {anchor.dim()}D, positive {positive.dim()}D, and "
+            f"negative {negative.dim()}D inputs")
+    dist_pos = _pairwise_distance(anchor, positive, p, eps)
+    dist_neg = _pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        dist_neg = dist_neg.minimum(_pairwise_distance(positive, negative, p, eps))
+    loss = (margin + dist_pos - dist_neg).clamp_min(0)
+    if reduction == _MEAN:
+        return loss.mean()
+    if reduction == _SUM:
+        return loss.sum()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument handling, as torch.nn.functional.triplet_margin_loss does it.
+# ---------------------------------------------------------------------------------------------
+
+_NONE, _MEAN, _SUM = 0, 1, 2
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _legacy_reduction(size_average, reduce) -> str:
+    """The deprecated size_average/reduce pair as a reduction name (None counts as True)."""
+    size_average = True if size_average is None else size_average
+    reduce = True if reduce is None else reduce
+    name = "mean" if (size_average and reduce) else ("sum" if reduce else "none")
+    warnings.warn(f"size_average and reduce args will be deprecated, please use reduction='{name}' "
+                  "instead.", stacklevel=3)
+    return name
+
+
+def _reduction_enum(size_average, reduce, reduction) -> int:
+    if size_average is not None or reduce is not None:
+        reduction = _legacy_reduction(size_average, reduce)
+    if reduction == "none":
+        return _NONE
+    if reduction == "mean":
+        return _MEAN
+    if reduction == "elementwise_mean":
+        warnings.warn("reduction='elementwise_mean' is deprecated. Please use reduction='mean' "
+                      "instead.", stacklevel=3)
+        return _MEAN
+    if reduction == "sum":
+        return _SUM
+    raise ValueError(f"{reduction} is not a valid value for reduction")
+
+
+def _check_tensors(anchor, positive, negative) -> None:
+    for position, (name, value) in enumerate(
+            (("anchor", anchor), ("positive", positive), ("negative", negative)), start=1):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"triplet_margin_loss(): argument '{name}' (position {position}) must "
+                            f"be Tensor, not {type(value).__name__}")
+
+
+def _broadcast_shape(a: tuple, b: tuple):
+    """torch's broadcast of two equal-rank shapes, or None where they do not broadcast."""
+    out = []
+    for x, y in zip(a, b):
+        if x != y and x != 1 and y != 1:
+            return None
+        out.append(y if x == 1 else x)
+    return tuple(out)
+
+
+def _fused_shape(anchor: Tensor, positive: Tensor, negative: Tensor, p: float):
+    """The common shape the fused kernels would compute over, or None if they don't take these
+    inputs (the torch path then computes them, or raises torch's own error)."""
+    device = anchor.device
+    if device.type != "cuda" or positive.device != device or negative.device != device:
+        return None
+    if anchor.dim() == 0 or not anchor.dim() == positive.dim() == negative.dim():
+        return None
+    if not (anchor.dtype in _FUSED_DTYPES and positive.dtype in _FUSED_DTYPES
+            and negative.dtype in _FUSED_DTYPES):
+        return None
+    # Until the fused backward exists, autograd goes through the torch path.
+    if torch.is_grad_enabled() and (anchor.requires_grad or positive.requires_grad
+                                    or negative.requires_grad):
+        return None
+    shape = _broadcast_shape(tuple(anchor.shape), tuple(positive.shape))
+    shape = shape and _broadcast_shape(shape, tuple(negative.shape))
+    if shape is None or (shape[-1] == 0 and math.isinf(p)):
+        return None
+    return shape
+
+
+def _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps, swap, reduction):
+    dtype = torch.promote_types(torch.promote_types(anchor.dtype, positive.dtype), negative.dtype)
+    inputs = []
+    for x in (anchor, positive, negative):
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        if tuple(x.shape) != shape:
+            x = x.expand(shape)  # a view: a broadcast row becomes row stride 0 in the kernel
+        inputs.append(x)
+    loss, _ = _ops().triplet_margin_loss(*inputs, float(margin), float(p), float(eps), bool(swap),
+                                         reduction)
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+
+def triplet_margin_loss(anchor: Tensor, positive: Tensor, negative: Tensor, margin: float = 1.0,
+                        p: float = 2.0, eps: float = 1e-6, swap: bool = False,
+                        size_average: bool | None = None, reduce: bool | None = None,
+                        reduction: str = "mean") -> Tensor:
+    """Drop-in for torch.nn.functional.triplet_margin_loss (same arguments, results, errors)."""
+    reduction_enum = _reduction_enum(size_average, reduce, reduction)
+    if margin <= 0:
+        raise ValueError(f"margin must be greater than 0, got {margin}")
+    _check_tensors(anchor, positive, negative)
+    shape = _fused_shape(anchor, positive, negative, float(p))
+    if shape is not None:
+        return _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps, swap,
+                                          reduction_enum)
+    return _torch_triplet_margin_loss(anchor, positive, negative, margin, p, eps, swap,
+                                      reduction_enum)
+
+
+class TripletMarginLoss(torch.nn.Module):
+    """Drop-in for torch.nn.TripletMarginLoss (same constructor and forward)."""
+
+    __constants__ = ["margin", "p", "eps", "swap", "reduction"]
+
+    def __init__(self, margin: float = 1.0, p: float = 2.0, eps: float = 1e-6, swap: bool = False,
+                 size_average=None, reduce=None, reduction: str = "mean") -> None:
+        super().__init__()
+        if size_average is not None or reduce is not None:
+            reduction = _legacy_reduction(size_average, reduce)
+        if margin <= 0:
+            raise ValueError(
+                f"TripletMarginLoss: expected margin to be greater than 0, got {margin} instead")
+        self.margin = margin
+        self.p = p
+        self.eps = eps
+        self.swap = swap
+        self.reduction = reduction
+
+    def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        return triplet_margin_loss(anchor, positive, negative, margin=self.margin, p=self.p,
+                                   eps=self.eps, swap=self.swap, reduction=self.reduction)
+
+    def extra_repr(self) -> str:
+        return (f"margin={self.margin}, p={self.p}, eps={self.eps}, swap={self.swap}, "
+                f"reduction={self.reduction!r}")
+
+
+class ModelNew(torch.nn.Module):
+    """KernelBench level 1 problem 99: the per-sample loss kernel, then the mean."""
+
+    def __init__(self, margin: float = 1.0) -> None:
+        super().__init__()
+        self.margin = margin
+
+    def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        return triplet_margin_loss(anchor, positive, negative, margin=self.margin)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", action="store_true",
+                        help="compile and load the CUDA kernels now (verbose), print the library")
+    args = parser.parse_args(argv)
+    if args.build:
+        print(build(verbose=True))
+        return 0
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,20 @@
+// The op schemas (torch.ops.fused_triplet.*) and their CUDA implementations.
+// Fake (meta) kernels are registered from Python (fused_triplet.py), after this library loads.
+#include "triplet_common.cuh"
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(fused_triplet, m) {
+  // Inputs: three tensors of one shape (..., D), dtype and CUDA device (the Python wrapper
+  // broadcasts and promotes them). Returns (loss, dists): loss has the batch shape for
+  // reduction 0 ('none') and is a scalar for 1 ('mean') and 2 ('sum'), in the input dtype;
+  // dists is [2 or 3 (swap), rows] (d_ap, d_an, d_pn) in the accumulation dtype (fp32, or fp64
+  // for fp64 inputs).
+  m.def(
+      "triplet_margin_loss(Tensor anchor, Tensor positive, Tensor negative, float margin, "
+      "float p, float eps, bool swap, int reduction) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
+  m.impl("triplet_margin_loss", &fused_triplet::triplet_margin_loss_cuda);
+}

@@ -1,0 +1,209 @@
+// Shared device helpers and host declarations for fused_triplet.
+//
+// fused_triplet.py concatenates this header and every kernels/*.cu file into ONE translation unit
+// (it drops the local #include lines), so everything here is visible to every .cu file.
+#ifndef FUSED_TRIPLET_COMMON_CUH
+#define FUSED_TRIPLET_COMMON_CUH
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+
+namespace fused_triplet {
+
+// Every kernel runs 256-thread blocks: enough warps per block to hide the row-end reduction,
+// small enough that several blocks share an SM.
+constexpr int kBlockThreads = 256;
+constexpr int kVecBytes = 16;  // one 128-bit load per thread per input
+
+// torch's norms accumulate fp16/bf16/fp32 in fp32 and fp64 in fp64; so do we.
+template <typename T> struct AccOf { using type = float; };
+template <> struct AccOf<double> { using type = double; };
+template <typename T> using acc_t = typename AccOf<T>::type;
+
+// Reduction enum, the values torch uses (at::Reduction).
+enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2 };
+
+// ---- loads ---------------------------------------------------------------------------------
+
+template <typename T>
+struct alignas(kVecBytes) Pack {
+  static constexpr int kN = kVecBytes / sizeof(T);
+  T v[kN];
+};
+
+// Every input byte is read exactly once: bypass L1 (no reuse) and use the read-only path.
+__device__ __forceinline__ uint4 load_stream16(const void* ptr) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(ptr));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ Pack<T> load_pack(const T* ptr) {
+  const uint4 raw = load_stream16(ptr);
+  Pack<T> out;
+  memcpy(&out, &raw, sizeof(out));
+  return out;
+}
+
+template <typename A, typename T>
+__device__ __forceinline__ A to_acc(T x) {
+  return static_cast<A>(x);
+}
+
+// ---- NaN-propagating helpers (torch's max/min/clamp_min propagate NaN) --------------------
+
+template <typename A>
+__device__ __forceinline__ A max_nan(A a, A b) {
+  return (a != a || a > b) ? a : b;
+}
+template <typename A>
+__device__ __forceinline__ A min_nan(A a, A b) {
+  return (a != a || a < b) ? a : b;
+}
+// clamp_min(v, 0) keeping NaN.
+template <typename A>
+__device__ __forceinline__ A hinge(A v) {
+  return v < A(0) ? A(0) : v;
+}
+
+// Precision-exact math: the float overloads must not silently promote to double.
+__device__ __forceinline__ float abs_acc(float a) { return fabsf(a); }
+__device__ __forceinline__ double abs_acc(double a) { return fabs(a); }
+__device__ __forceinline__ float sqrt_acc(float a) { return sqrtf(a); }
+__device__ __forceinline__ double sqrt_acc(double a) { return sqrt(a); }
+__device__ __forceinline__ float pow_acc(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double pow_acc(double a, double b) { return pow(a, b); }
+
+// ---- p-norms -------------------------------------------------------------------------------
+// ||x||_p over a row, split in add (per element), combine (two partial states) and finish.
+// p = 2 and p = 1 are compile-time fast paths; every other p (0, +-inf, any real) is one
+// runtime-described kind, exactly as torch's norm kernels define them:
+//   p = 0: number of non-zeros; p = +inf: max |x|; p = -inf: min |x|; else (sum |x|^p)^(1/p).
+
+enum class NormKind : int { kTwo = 0, kOne = 1, kOther = 2 };
+enum class OtherMode : int { kZero = 0, kInf = 1, kNegInf = 2, kPow = 3 };
+
+template <typename A>
+struct NormParams {
+  OtherMode mode;
+  A p;
+  A inv_p;
+};
+
+template <typename A, NormKind K>
+struct Norm {
+  NormParams<A> prm;
+
+  __device__ __forceinline__ A identity() const {
+    if constexpr (K == NormKind::kOther) {
+      return prm.mode == OtherMode::kNegInf ? std::numeric_limits<A>::infinity() : A(0);
+    }
+    return A(0);
+  }
+  __device__ __forceinline__ void add(A& s, A x) const {
+    if constexpr (K == NormKind::kTwo) {
+      s += x * x;
+    } else if constexpr (K == NormKind::kOne) {
+      s += abs_acc(x);
+    } else {
+      switch (prm.mode) {
+        case OtherMode::kZero: s += (x == A(0)) ? A(0) : A(1); break;
+        case OtherMode::kInf: s = max_nan(s, abs_acc(x)); break;
+        case OtherMode::kNegInf: s = min_nan(s, abs_acc(x)); break;
+        default: s += pow_acc(abs_acc(x), prm.p); break;
+      }
+    }
+  }
+  __device__ __forceinline__ A combine(A a, A b) const {
+    if constexpr (K == NormKind::kOther) {
+      if (prm.mode == OtherMode::kInf) return max_nan(a, b);
+      if (prm.mode == OtherMode::kNegInf) return min_nan(a, b);
+    }
+    return a + b;
+  }
+  __device__ __forceinline__ A finish(A s) const {
+    if constexpr (K == NormKind::kTwo) {
+      return sqrt_acc(s);
+    } else if constexpr (K == NormKind::kOther) {
+      return prm.mode == OtherMode::kPow ? pow_acc(s, prm.inv_p) : s;
+    }
+    return s;
+  }
+};
+
+// The three per-row partial states: d(a, p), d(a, n) and, with swap, d(p, n).
+template <typename A>
+struct RowSums {
+  A ap, an, pn;
+};
+
+// Deterministic reduction of a RowSums over the TPR threads of one team (a team is TPR
+// consecutive threads of the block, one team per row). Fixed shuffle/shared-memory order: the
+// same inputs always give the same bits. All threads of the block must call it (it may hold a
+// __syncthreads). The result is valid in the team's lane 0.
+template <int TPR, typename A, NormKind K>
+__device__ __forceinline__ RowSums<A> team_reduce(RowSums<A> s, const Norm<A, K>& norm,
+                                                  RowSums<A>* smem) {
+  constexpr int kWarpWidth = TPR < 32 ? TPR : 32;
+#pragma unroll
+  for (int offset = kWarpWidth / 2; offset > 0; offset /= 2) {
+    s.ap = norm.combine(s.ap, __shfl_xor_sync(0xffffffffu, s.ap, offset));
+    s.an = norm.combine(s.an, __shfl_xor_sync(0xffffffffu, s.an, offset));
+    s.pn = norm.combine(s.pn, __shfl_xor_sync(0xffffffffu, s.pn, offset));
+  }
+  if constexpr (TPR > 32) {
+    constexpr int kWarpsPerTeam = TPR / 32;
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) smem[warp] = s;
+    __syncthreads();
+    if (threadIdx.x % TPR == 0) {
+      s = smem[warp];
+#pragma unroll
+      for (int w = 1; w < kWarpsPerTeam; ++w) {
+        const RowSums<A> o = smem[warp + w];
+        s.ap = norm.combine(s.ap, o.ap);
+        s.an = norm.combine(s.an, o.an);
+        s.pn = norm.combine(s.pn, o.pn);
+      }
+    }
+    __syncthreads();  // smem is reused by the next row
+  }
+  return s;
+}
+
+// Deterministic block-wide sum in a fixed order; the result is valid in thread 0.
+template <int kThreads, typename A>
+__device__ __forceinline__ A block_sum(A v, A* smem) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    v = smem[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) v += smem[w];
+  }
+  return v;
+}
+
+// ---- host entry points (defined in the .cu files, registered in register_ops.cu) -----------
+
+std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
+                                                            const at::Tensor& positive,
+                                                            const at::Tensor& negative,
+                                                            double margin, double p, double eps,
+                                                            bool swap, int64_t reduction);
+
+}  // namespace fused_triplet
+
+#endif  // FUSED_TRIPLET_COMMON_CUH

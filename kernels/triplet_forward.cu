@@ -1,0 +1,324 @@
+// Forward: one pass over anchor, positive and negative.
+//
+// Each row i gives d(a_i, p_i), d(a_i, n_i) (and with swap d(p_i, n_i)), where
+// d(x, y) = ||x - y + eps||_p, then loss_i = max(margin + d_ap - min(d_an, d_pn), 0).
+// Per row the kernel writes the distances (what a backward needs: B values each, never B x D)
+// and either the loss (reduction 'none') or, per block, the sum of its rows' losses, which
+// sum_partials_kernel then adds up in a fixed order ('mean' / 'sum'): no atomics, so the same
+// inputs always give the same bits.
+#include "triplet_common.cuh"
+
+namespace fused_triplet {
+
+template <typename T>
+struct ForwardArgs {
+  const T* a;
+  const T* p;
+  const T* n;
+  int64_t stride_a, stride_p, stride_n;  // row strides, elements (0: a broadcast row)
+  int64_t rows, dim;
+  bool vectorized;  // every row start 16-byte aligned: use 128-bit loads
+  acc_t<T> margin, eps;
+  NormParams<acc_t<T>> norm;
+  T* loss_rows;           // [rows] loss in the input dtype (reduction 'none'), or null
+  acc_t<T>* block_sums;   // [gridDim.x] sum of the block's row losses ('mean'/'sum'), or null
+  acc_t<T>* dists;        // [2 or 3, rows]: d_ap, d_an (, d_pn with swap)
+};
+
+// Accumulates one thread's share of a row: elements lane, lane + TPR, ... (in 16-byte packs
+// when aligned), so a team's loads are contiguous and coalesced.
+template <typename T, NormKind K, int TPR, bool SWAP>
+__device__ __forceinline__ void accumulate_row(const ForwardArgs<T>& args, int64_t row, int lane,
+                                               const Norm<acc_t<T>, K>& norm,
+                                               RowSums<acc_t<T>>& s) {
+  using A = acc_t<T>;
+  constexpr int kVec = Pack<T>::kN;
+  // 4 packs per input in flight per thread: 12 x 16 B outstanding loads, enough to cover DRAM
+  // latency at the occupancy the register budget allows. General p calls pow (a subroutine):
+  // unrolled, the values live across those calls spill, and pow-bound code gains nothing from
+  // more loads in flight, so it goes one pack at a time.
+  constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;
+  const T* a = args.a + row * args.stride_a;
+  const T* p = args.p + row * args.stride_p;
+  const T* n = args.n + row * args.stride_n;
+  const A eps = args.eps;
+  const int64_t dim = args.dim;
+
+  auto add = [&](A xa, A xp, A xn) {
+    norm.add(s.ap, xa - xp + eps);
+    norm.add(s.an, xa - xn + eps);
+    if constexpr (SWAP) norm.add(s.pn, xp - xn + eps);
+  };
+
+  int64_t i = lane;  // scalar element index for the tail / unaligned path
+  if (args.vectorized) {
+    const int64_t packs = dim / kVec;
+    int64_t v = lane;
+    for (; v + (kUnroll - 1) * TPR < packs; v += kUnroll * TPR) {
+      Pack<T> pa[kUnroll], pp[kUnroll], pn[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        pa[u] = load_pack(a + (v + u * TPR) * kVec);
+        pp[u] = load_pack(p + (v + u * TPR) * kVec);
+        pn[u] = load_pack(n + (v + u * TPR) * kVec);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          add(to_acc<A>(pa[u].v[j]), to_acc<A>(pp[u].v[j]), to_acc<A>(pn[u].v[j]));
+        }
+      }
+    }
+    for (; v < packs; v += TPR) {
+      const Pack<T> pa = load_pack(a + v * kVec), pp = load_pack(p + v * kVec),
+                    pn = load_pack(n + v * kVec);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) add(to_acc<A>(pa.v[j]), to_acc<A>(pp.v[j]), to_acc<A>(pn.v[j]));
+    }
+    i = packs * kVec + lane;
+  } else {
+    // Unaligned rows: plain element loads, still unrolled so several are in flight.
+    for (; i + (kUnroll - 1) * TPR < dim; i += kUnroll * TPR) {
+      A xa[kUnroll], xp[kUnroll], xn[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        xa[u] = to_acc<A>(a[i + u * TPR]);
+        xp[u] = to_acc<A>(p[i + u * TPR]);
+        xn[u] = to_acc<A>(n[i + u * TPR]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) add(xa[u], xp[u], xn[u]);
+    }
+  }
+  for (; i < dim; i += TPR) add(to_acc<A>(a[i]), to_acc<A>(p[i]), to_acc<A>(n[i]));
+}
+
+template <typename T, NormKind K, int TPR, bool SWAP>
+__global__ void __launch_bounds__(kBlockThreads)
+    triplet_forward_kernel(const ForwardArgs<T> args) {
+  using A = acc_t<T>;
+  constexpr int kRowsPerBlock = kBlockThreads / TPR;
+  __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
+  __shared__ A smem_sum[kBlockThreads / 32];
+
+  const Norm<A, K> norm{args.norm};
+  const int team = threadIdx.x / TPR;
+  const int lane = threadIdx.x % TPR;
+  A team_loss_sum = A(0);
+
+  // Block-uniform loop bounds: every thread reaches team_reduce's barriers.
+  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < args.rows;
+       base += int64_t(gridDim.x) * kRowsPerBlock) {
+    const int64_t row = base + team;
+    RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
+    if (row < args.rows) accumulate_row<T, K, TPR, SWAP>(args, row, lane, norm, s);
+    s = team_reduce<TPR>(s, norm, smem_rows);
+    if (row < args.rows && lane == 0) {
+      const A d_ap = norm.finish(s.ap);
+      const A d_an = norm.finish(s.an);
+      A d_neg = d_an;
+      args.dists[row] = d_ap;
+      args.dists[args.rows + row] = d_an;
+      if constexpr (SWAP) {
+        const A d_pn = norm.finish(s.pn);
+        args.dists[2 * args.rows + row] = d_pn;
+        d_neg = min_nan(d_an, d_pn);
+      }
+      const A loss = hinge(args.margin + d_ap - d_neg);
+      if (args.loss_rows != nullptr) args.loss_rows[row] = static_cast<T>(loss);
+      team_loss_sum += loss;
+    }
+  }
+  if (args.block_sums != nullptr) {
+    // Lane 0 of each team holds its rows' sum; other lanes add 0. Fixed order.
+    const A total = block_sum<kBlockThreads>(lane == 0 ? team_loss_sum : A(0), smem_sum);
+    if (threadIdx.x == 0) args.block_sums[blockIdx.x] = total;
+  }
+}
+
+// Adds the per-block sums in a fixed order (fp64), divides by `divisor` (rows for 'mean',
+// 1 for 'sum') and writes the scalar in the output dtype. One block: the partials are few.
+constexpr int kSumThreads = 1024;
+
+template <typename T, typename A>
+__global__ void __launch_bounds__(kSumThreads)
+    sum_partials_kernel(const A* __restrict__ partials, int64_t count, double divisor,
+                        T* __restrict__ out) {
+  __shared__ double smem[kSumThreads / 32];
+  double v = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kSumThreads) v += static_cast<double>(partials[i]);
+  v = block_sum<kSumThreads>(v, smem);
+  if (threadIdx.x == 0) out[0] = static_cast<T>(v / divisor);
+}
+
+// ---- launch heuristic ----------------------------------------------------------------------
+
+struct ForwardConfig {
+  int threads_per_row;  // TPR: threads cooperating on one row
+  int64_t grid;         // blocks
+};
+
+ForwardConfig choose_forward_config(int64_t rows, int64_t dim, int64_t elem_size) {
+  const int64_t packs = (dim * elem_size + kVecBytes - 1) / kVecBytes;
+  // Threads per row: the smallest team that leaves each thread at most 16 packs per input, so
+  // short rows do not leave most of a block idle and long rows get a whole block.
+  //   <= 128 packs (2 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
+  ForwardConfig cfg;
+  cfg.threads_per_row = packs <= 8 * 16 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
+  const int64_t rows_per_block = kBlockThreads / cfg.threads_per_row;
+  const int64_t row_groups = (rows + rows_per_block - 1) / rows_per_block;
+  // One block per row group (the hardware balances the tail); past 2^20 blocks the grid-stride
+  // loop takes over, which also bounds the per-block partial-sum buffer.
+  cfg.grid = std::min<int64_t>(row_groups, int64_t(1) << 20);
+  return cfg;
+}
+
+template <typename T, NormKind K, int TPR>
+void launch_forward_tpr(const ForwardArgs<T>& args, bool swap, int64_t grid, cudaStream_t stream) {
+  if (swap) {
+    triplet_forward_kernel<T, K, TPR, true><<<grid, kBlockThreads, 0, stream>>>(args);
+  } else {
+    triplet_forward_kernel<T, K, TPR, false><<<grid, kBlockThreads, 0, stream>>>(args);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, NormKind K>
+void launch_forward_kind(const ForwardArgs<T>& args, bool swap, const ForwardConfig& cfg,
+                         cudaStream_t stream) {
+  switch (cfg.threads_per_row) {
+    case 8: launch_forward_tpr<T, K, 8>(args, swap, cfg.grid, stream); break;
+    case 32: launch_forward_tpr<T, K, 32>(args, swap, cfg.grid, stream); break;
+    default: launch_forward_tpr<T, K, kBlockThreads>(args, swap, cfg.grid, stream); break;
+  }
+}
+
+// ---- host op -------------------------------------------------------------------------------
+
+namespace {
+
+// (rows, dim) view with unit element stride; a view whenever the batch dims collapse to one
+// row stride (contiguous, x[:, :D] of a wider tensor, a broadcast row), a copy otherwise.
+at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t dim) {
+  at::Tensor r = x.reshape({rows, dim});
+  if (dim > 1 && r.stride(1) != 1) r = r.contiguous();
+  return r;
+}
+
+bool rows_aligned(const at::Tensor& r) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(r.data_ptr());
+  const bool stride_ok = r.size(0) <= 1 || (r.stride(0) * r.element_size()) % kVecBytes == 0;
+  return addr % kVecBytes == 0 && stride_ok;
+}
+
+template <typename A>
+NormParams<A> norm_params(double p) {
+  NormParams<A> prm;
+  prm.p = static_cast<A>(p);
+  prm.inv_p = static_cast<A>(1.0 / p);
+  if (p == 0.0) {
+    prm.mode = OtherMode::kZero;
+  } else if (std::isinf(p)) {
+    prm.mode = p > 0 ? OtherMode::kInf : OtherMode::kNegInf;
+  } else {
+    prm.mode = OtherMode::kPow;
+  }
+  return prm;
+}
+
+NormKind norm_kind(double p) {
+  if (p == 2.0) return NormKind::kTwo;
+  if (p == 1.0) return NormKind::kOne;
+  return NormKind::kOther;
+}
+
+void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
+                  int64_t reduction) {
+  TORCH_CHECK(reduction >= kNone && reduction <= kSum, "fused_triplet: unknown reduction ",
+              reduction);
+  TORCH_CHECK(a.is_cuda() && p.device() == a.device() && n.device() == a.device(),
+              "fused_triplet: anchor, positive and negative must be on one CUDA device, got ",
+              a.device(), ", ", p.device(), ", ", n.device());
+  TORCH_CHECK(p.scalar_type() == a.scalar_type() && n.scalar_type() == a.scalar_type(),
+              "fused_triplet: anchor, positive and negative must have one dtype, got ",
+              a.scalar_type(), ", ", p.scalar_type(), ", ", n.scalar_type());
+  TORCH_CHECK(at::isFloatingType(a.scalar_type()),
+              "fused_triplet: expected a floating point dtype, got ", a.scalar_type());
+  TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
+  TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
+              "fused_triplet: anchor, positive and negative must have one shape (broadcast "
+              "them first), got ", a.sizes(), ", ", p.sizes(), ", ", n.sizes());
+  TORCH_CHECK(!(a.size(-1) == 0 && std::isinf(pnorm)),
+              "linalg.vector_norm cannot compute the inf norm on an empty tensor because the "
+              "operation does not have an identity");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
+                                                            const at::Tensor& positive,
+                                                            const at::Tensor& negative,
+                                                            double margin, double p, double eps,
+                                                            bool swap, int64_t reduction) {
+  check_inputs(anchor, positive, negative, p, reduction);
+  const c10::cuda::CUDAGuard guard(anchor.device());
+
+  const auto batch = anchor.sizes().slice(0, anchor.dim() - 1);
+  const int64_t dim = anchor.size(-1);
+  const int64_t rows = c10::multiply_integers(batch);
+  const auto dtype = anchor.scalar_type();
+  const auto acc_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const auto opts = anchor.options();
+
+  at::Tensor dists = at::empty({swap ? 3 : 2, rows}, opts.dtype(acc_dtype));
+  at::Tensor loss = reduction == kNone ? at::empty(batch, opts) : at::empty({}, opts);
+  if (rows == 0) {  // torch: mean of nothing is nan, sum of nothing is 0
+    if (reduction == kMean) loss.fill_(std::numeric_limits<double>::quiet_NaN());
+    if (reduction == kSum) loss.zero_();
+    return {loss, dists};
+  }
+
+  const at::Tensor a = as_rows(anchor, rows, dim);
+  const at::Tensor pos = as_rows(positive, rows, dim);
+  const at::Tensor neg = as_rows(negative, rows, dim);
+  const ForwardConfig cfg = choose_forward_config(rows, dim, anchor.element_size());
+  at::Tensor block_sums;
+  if (reduction != kNone) block_sums = at::empty({cfg.grid}, opts.dtype(acc_dtype));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fused_triplet_forward", [&] {
+    using A = acc_t<scalar_t>;
+    ForwardArgs<scalar_t> args;
+    args.a = a.const_data_ptr<scalar_t>();
+    args.p = pos.const_data_ptr<scalar_t>();
+    args.n = neg.const_data_ptr<scalar_t>();
+    args.stride_a = a.stride(0);
+    args.stride_p = pos.stride(0);
+    args.stride_n = neg.stride(0);
+    args.rows = rows;
+    args.dim = dim;
+    args.vectorized = rows_aligned(a) && rows_aligned(pos) && rows_aligned(neg);
+    args.margin = static_cast<A>(margin);
+    args.eps = static_cast<A>(eps);
+    args.norm = norm_params<A>(p);
+    args.loss_rows = reduction == kNone ? loss.mutable_data_ptr<scalar_t>() : nullptr;
+    args.block_sums = reduction == kNone ? nullptr : block_sums.mutable_data_ptr<A>();
+    args.dists = dists.mutable_data_ptr<A>();
+
+    switch (norm_kind(p)) {
+      case NormKind::kTwo: launch_forward_kind<scalar_t, NormKind::kTwo>(args, swap, cfg, stream); break;
+      case NormKind::kOne: launch_forward_kind<scalar_t, NormKind::kOne>(args, swap, cfg, stream); break;
+      default: launch_forward_kind<scalar_t, NormKind::kOther>(args, swap, cfg, stream); break;
+    }
+    if (reduction != kNone) {
+      const double divisor = reduction == kMean ? static_cast<double>(rows) : 1.0;
+      sum_partials_kernel<scalar_t, A><<<1, kSumThreads, 0, stream>>>(
+          args.block_sums, cfg.grid, divisor, loss.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {loss, dists};
+}
+
+}  // namespace fused_triplet

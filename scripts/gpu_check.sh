@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# What we run on the GPU machine before resolving an issue: build, benchmark, full test suite.
+# Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
+#   bash scripts/gpu_check.sh [bench args...]
+set -uo pipefail
+out="${OUT:-gpu_logs}"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
+python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' | tee -a "$out/gpu.txt"
+( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+grep -E "^real" "$out/build.log"
+python3 bench.py --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.txt"
+python3 -m pytest tests -q -rs -x --durations=8 2>&1 | tee "$out/pytest.txt" | tail -40
