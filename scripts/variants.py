@@ -1,0 +1,110 @@
+"""Time kernel variants on one shape: each variant is the kernel source with textual edits,
+built in parallel (one process each: the op namespace can be registered once per process), then
+timed one after another on the GPU against torch.compile. A tuning aid, not part of the library.
+
+    python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b]
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
+UNROLL = "constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;"
+TPR_RULE = "packs <= 32 * 16 ? 32 : kBlockThreads);"
+TPR_DEFAULT = "default: launch_forward_tpr<T, K, kBlockThreads>"
+GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
+BLOCK = "constexpr int kBlockThreads = 256;"
+
+VARIANTS = {
+    "base": [],
+    "unroll8": [(UNROLL, UNROLL.replace(": 4;", ": 8;"))],
+    "unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
+    "l2_256B": [(LOAD, "ld.global.nc.L1::no_allocate.L2::256B.v4.u32")],
+    "l2_256B_unroll8": [(LOAD, "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"),
+                        (UNROLL, UNROLL.replace(": 4;", ": 8;"))],
+    "ldcs": [(LOAD, "ld.global.cs.v4.u32")],
+    "tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
+               (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
+    "block512": [(BLOCK, BLOCK.replace("256", "512"))],
+    "persist4": [(GRID, "std::min<int64_t>(row_groups, 132 * 4)")],
+}
+
+
+def apply(name):
+    import fused_triplet as ft
+    for old, new in VARIANTS[name]:
+        hits = [k for k, text in ft.KERNEL_SOURCES.items() if old in text]
+        assert hits, f"{name}: {old!r} not found"
+        for k in hits:
+            ft.KERNEL_SOURCES[k] = ft.KERNEL_SOURCES[k].replace(old, new)
+    ft.build()
+    return ft
+
+
+def time_one(name, shape, dtype_name, rounds=50):
+    import torch
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    torch.manual_seed(0)
+    a = (torch.rand(shape, device="cuda") * torch.rand((), device="cuda")).to(dtype)
+    p = torch.rand(shape, device="cuda").to(dtype)
+    n = torch.rand(shape, device="cuda").to(dtype)
+    if name == "torch.compile":
+        fn = torch.compile(torch.nn.TripletMarginLoss())
+    else:
+        fn = apply(name).ModelNew(1.0)
+    ref = torch.nn.TripletMarginLoss()(a, p, n)
+    out = fn(a, p, n)
+    err = (out.double() - ref.double()).abs().item()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(5):
+        fn(a, p, n)
+    times = []
+    for _ in range(rounds):
+        flush.zero_()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(a, p, n)
+        e.record()
+        times.append((s, e))
+    torch.cuda.synchronize()
+    ms = statistics.median(x.elapsed_time(y) for x, y in times)
+    nbytes = 3 * a.numel() * a.element_size()
+    print(f"{name:>18} {ms:8.4f} ms {nbytes / ms / 1e9:6.3f} TB/s  err {err:.1e}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="32768x8192")
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--only", default="")
+    parser.add_argument("--child", nargs=2, metavar=("MODE", "NAME"))
+    args = parser.parse_args()
+    shape = tuple(int(v) for v in args.shape.split("x"))
+    if args.child:
+        mode, name = args.child
+        if mode == "build":
+            apply(name)
+        else:
+            time_one(name, shape, args.dtype)
+        return
+    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    me = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--dtype", args.dtype]
+    builds = [subprocess.Popen(me + ["--child", "build", n], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True) for n in names]
+    for n, proc in zip(names, builds):
+        _, err = proc.communicate()
+        if proc.returncode:
+            print(f"{n}: build failed\n{err[-3000:]}")
+    print(f"shape {args.shape} {args.dtype}")
+    for n in ["torch.compile"] + names + ["base"]:
+        subprocess.run(me + ["--child", "time", n])
+
+
+if __name__ == "__main__":
+    main()
