@@ -21,18 +21,21 @@ TPR_DEFAULT = "default: launch_forward_tpr<T, K, kBlockThreads>"
 GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
 
+BULK = "cfg.bulk = cc_major >= 9 &&"
+STAGES = "constexpr int kBulkStages = 4;"
+CHUNK = "constexpr int kBulkChunkBytes = 8192;"
+
 VARIANTS = {
     "base": [],
-    "unroll8": [(UNROLL, UNROLL.replace(": 4;", ": 8;"))],
-    "unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
-    "l2_256B": [(LOAD, "ld.global.nc.L1::no_allocate.L2::256B.v4.u32")],
-    "l2_256B_unroll8": [(LOAD, "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"),
-                        (UNROLL, UNROLL.replace(": 4;", ": 8;"))],
-    "ldcs": [(LOAD, "ld.global.cs.v4.u32")],
-    "tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
-               (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
-    "block512": [(BLOCK, BLOCK.replace("256", "512"))],
-    "persist4": [(GRID, "std::min<int64_t>(row_groups, 132 * 4)")],
+    "nobulk": [(BULK, "cfg.bulk = false &&")],
+    "nobulk_tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
+                      (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
+    "nobulk_block512": [(BULK, "cfg.bulk = false &&"), (BLOCK, BLOCK.replace("256", "512"))],
+    "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
+    "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
+    "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
+    "bulk_8k_x6": [(STAGES, STAGES.replace("4", "6"))],
+    "bulk_16k_x4": [(CHUNK, CHUNK.replace("8192", "16384"))],
 }
 
 

@@ -40,7 +40,7 @@ def test_cuda_module_compiles(build_log):
 @needs_nvcc
 def test_no_spills_and_no_stack(build_log):
     kernels = re.findall(r"Compiling entry function '(\w+)'", build_log)
-    assert len(kernels) >= 72, f"expected every kernel instantiation, ptxas reported {len(kernels)}"
+    assert len(kernels) >= 96, f"expected every kernel instantiation, ptxas reported {len(kernels)}"
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                        build_log)
     assert len(props) >= len(kernels)
