@@ -1,4 +1,4 @@
-"""fused_triplet: a fused CUDA torch.nn.TripletMarginLoss.
+"""fused_triplet: a fused CUDA TripletMarginLoss for PyTorch (nn.TripletMarginLoss, fused).
 
 One kernel reads anchor, positive and negative once and writes the per-sample losses (and the
 distances a backward needs); 'mean'/'sum' add one tiny deterministic reduction kernel. Eager
@@ -25,17 +25,19 @@ import warnings
 import torch
 from torch import Tensor
 
-__all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build"]
+__all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build", "export"]
 
 # ---------------------------------------------------------------------------------------------
-# Kernel sources: kernels/*.cuh (shared helpers) then kernels/*.cu, read at import.
+# Kernel sources: kernels/*.cuh (shared helpers) then kernels/*.cu, read at import. An exported
+# single file (export() below) holds them inline instead, as a dict literal on the line
+# `KERNEL_SOURCES = ...`.
 # ---------------------------------------------------------------------------------------------
 
-_KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
 
-
-def _read_kernel_sources(folder: str) -> dict:
-    """{file name: text} for the headers (first) and .cu files of `folder`; {} if it is absent."""
+def _read_kernel_sources() -> dict:
+    """{file name: text} for the headers (first) and .cu files of kernels/ beside this file;
+    {} if that folder is missing (the CPU path still works; build() says what to do)."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
     if not os.path.isdir(folder):
         return {}
     names = sorted(f for f in os.listdir(folder) if f.endswith(".cuh"))
@@ -47,7 +49,7 @@ def _read_kernel_sources(folder: str) -> dict:
     return sources
 
 
-KERNEL_SOURCES = _read_kernel_sources(_KERNEL_DIR)
+KERNEL_SOURCES = _read_kernel_sources()
 
 
 def cuda_source() -> str:
@@ -84,7 +86,9 @@ def build(verbose: bool = False) -> str:
     if _library_path is not None:
         return _library_path
     if not KERNEL_SOURCES:
-        raise RuntimeError(f"fused_triplet: no CUDA sources found in {_KERNEL_DIR}")
+        raise RuntimeError("fused_triplet: the CUDA sources are missing: keep the kernels/ folder "
+                           "beside fused_triplet.py, or use the one-file export "
+                           "(python fused_triplet.py --export PATH)")
     from torch.utils import cpp_extension
 
     name = _extension_name()
@@ -159,7 +163,7 @@ def _torch_triplet_margin_loss(anchor, positive, negative, margin, p, eps, swap,
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument handling, as torch.nn.functional.triplet_margin_loss does it.
+# Argument handling, as torch's functional triplet_margin_loss does it.
 # ---------------------------------------------------------------------------------------------
 
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -255,7 +259,7 @@ def triplet_margin_loss(anchor: Tensor, positive: Tensor, negative: Tensor, marg
                         p: float = 2.0, eps: float = 1e-6, swap: bool = False,
                         size_average: bool | None = None, reduce: bool | None = None,
                         reduction: str = "mean") -> Tensor:
-    """Drop-in for torch.nn.functional.triplet_margin_loss (same arguments, results, errors)."""
+    """Drop-in for torch's functional triplet_margin_loss (same arguments, results, errors)."""
     reduction_enum = _reduction_enum(size_average, reduce, reduction)
     if margin <= 0:
         raise ValueError(f"margin must be greater than 0, got {margin}")
@@ -269,7 +273,7 @@ def triplet_margin_loss(anchor: Tensor, positive: Tensor, negative: Tensor, marg
 
 
 class TripletMarginLoss(torch.nn.Module):
-    """Drop-in for torch.nn.TripletMarginLoss (same constructor and forward)."""
+    """Drop-in for torch's nn.TripletMarginLoss module (same constructor and forward)."""
 
     __constants__ = ["margin", "p", "eps", "swap", "reduction"]
 
@@ -308,6 +312,32 @@ class ModelNew(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# One-file export: this module with the kernel sources inlined, for copying into a project or
+# submitting to KernelBench (level 1 problem 99 takes `ModelNew`).
+# ---------------------------------------------------------------------------------------------
+
+
+def _python_literal(text: str) -> str:
+    if "'''" not in text and not text.endswith("\\"):
+        return "r'''" + text + "'''"
+    return repr(text)
+
+
+def export(path: str) -> str:
+    """Write the whole library as one self-contained Python file at `path`; returns `path`."""
+    with open(os.path.abspath(__file__), encoding="utf-8") as f:
+        lines = f.read().splitlines(keepends=True)
+    target = "KERNEL_SOURCES = _read_kernel_sources()\n"
+    if lines.count(target) != 1:
+        raise RuntimeError(f"fused_triplet.export: expected one line {target!r} in {__file__}")
+    inline = "".join(f"    {name!r}: {_python_literal(text)},\n" for name, text in KERNEL_SOURCES.items())
+    lines[lines.index(target)] = "KERNEL_SOURCES = {\n" + inline + "}\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
 
@@ -318,11 +348,15 @@ def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true",
                         help="compile and load the CUDA kernels now (verbose), print the library")
+    parser.add_argument("--export", metavar="PATH",
+                        help="write the library as one self-contained .py file (kernels inlined)")
     args = parser.parse_args(argv)
+    if args.export:
+        print(export(args.export))
     if args.build:
         print(build(verbose=True))
-        return 0
-    parser.print_help()
+    if not (args.export or args.build):
+        parser.print_help()
     return 0
 
 
