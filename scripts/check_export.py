@@ -73,7 +73,7 @@ def main():
                    check=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     me = os.path.abspath(__file__)
-    for kind in ("export", "package"):
+    for kind in ("export", "package", "package", "export"):  # twice each, both orders
         subprocess.run([sys.executable, me, kind, path], cwd=scratch, env=env, check=True)
 
 
