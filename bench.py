@@ -2,6 +2,7 @@
 
     python bench.py                       # KernelBench level 1 problem 99: (32768, 8192) fp32
     python bench.py --shapes 4096x512,16x4194304 --dtypes fp32,bf16 --json results.json
+    python bench.py --backward            # forward + backward, effective TB/s over 9 x input bytes
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
 flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. A
@@ -70,32 +71,75 @@ def bench_forward(shape, dtype, rounds, warmup, margin=1.0):
         results = {name: fn(*inputs) for name, fn in fns.items()}
         times = time_interleaved(fns, inputs, rounds, warmup)
     bytes_moved = sum(x.numel() * x.element_size() for x in inputs)
-    ref = results["eager"].double()
+    results = {name: [out] for name, out in results.items()}
+    return summarize("forward", shape, dtype, times, results, bytes_moved)
+
+
+def summarize(mode, shape, dtype, times, results, bytes_moved, extra_bytes=None):
+    """One row per contender (the last is fused_triplet): median time, effective bandwidth,
+    speedup of fused_triplet over it, max error of its outputs against eager's."""
     rows = []
-    for name in fns:
-        ms = statistics.median(times[name])
-        rows.append({
-            "shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "mode": "forward",
-            "contender": name, "median_ms": ms, "min_ms": min(times[name]),
-            "tbps": bytes_moved / ms / 1e9, "peak_pct": 100 * bytes_moved / ms / 1e9 / PEAK_TBPS,
-            "max_abs_err_vs_eager": (results[name].double() - ref).abs().max().item(),
-        })
-    fused_ms = rows[-1]["median_ms"]
+    for name, samples in times.items():
+        ms = statistics.median(samples)
+        row = {"shape": list(shape), "dtype": str(dtype).replace("torch.", ""), "mode": mode,
+               "contender": name, "median_ms": ms, "min_ms": min(samples),
+               "tbps": bytes_moved / ms / 1e9, "peak_pct": 100 * bytes_moved / ms / 1e9 / PEAK_TBPS,
+               "max_abs_err_vs_eager": max((x.double() - y.double()).abs().max().item()
+                                           for x, y in zip(results[name], results["eager"]))}
+        if extra_bytes is not None:
+            row["extra_mib"] = extra_bytes[name] / 2**20
+        rows.append(row)
     for row in rows:
-        row["fused_speedup"] = row["median_ms"] / fused_ms
+        row["fused_speedup"] = row["median_ms"] / rows[-1]["median_ms"]
     return rows
+
+
+def bench_backward(shape, dtype, rounds, warmup, margin=1.0):
+    """Forward + backward of the mean loss, grads of all three inputs; peak extra memory is
+    max_memory_allocated during one step minus the inputs and the three gradients."""
+    inputs = [x.requires_grad_() for x in make_inputs(shape, dtype)]
+    torch._dynamo.reset()
+    modules = {"eager": torch.nn.TripletMarginLoss(margin=margin),
+               "torch.compile": torch.compile(torch.nn.TripletMarginLoss(margin=margin)),
+               "fused_triplet": fused_triplet.TripletMarginLoss(margin=margin)}
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    results, steps, extra = {}, {}, {}
+    for name, module in modules.items():
+        def step(module=module):
+            for x in inputs:
+                x.grad = None
+            loss = module(*inputs)
+            loss.backward()
+            return loss
+        step()  # compile / build outside the measurement
+        for x in inputs:
+            x.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step()
+        torch.cuda.synchronize()
+        extra[name] = torch.cuda.max_memory_allocated() - base - input_bytes
+        results[name] = [loss.detach()] + [x.grad for x in inputs]  # step() drops, not reuses, them
+        steps[name] = step
+    times = time_interleaved(steps, (), rounds, warmup)
+    bytes_moved = 3 * input_bytes  # forward reads a, p, n; backward reads them and writes 3 grads
+    return summarize("fwd+bwd", shape, dtype, times, results, bytes_moved, extra)
 
 
 def print_table(rows):
     head = (f"{'shape':>16} {'dtype':>8} {'contender':>14} {'median ms':>10} {'TB/s':>6} "
             f"{'% peak':>7} {'fused x':>8} {'max err':>9}")
+    if any("extra_mib" in r for r in rows):
+        head += f" {'extra MiB':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
         shape = "x".join(str(v) for v in r["shape"])
+        extra = f" {r['extra_mib']:>9.1f}" if "extra_mib" in r else ""
         print(f"{shape:>16} {r['dtype']:>8} {r['contender']:>14} {r['median_ms']:>10.4f} "
               f"{r['tbps']:>6.2f} {r['peak_pct']:>6.1f}% {r['fused_speedup']:>7.2f}x "
-              f"{r['max_abs_err_vs_eager']:>9.2e}")
+              f"{r['max_abs_err_vs_eager']:>9.2e}{extra}")
 
 
 def main(argv=None) -> int:
@@ -104,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="fp32", help="comma list of " + ",".join(DTYPES))
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds (median)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+    parser.add_argument("--backward", action="store_true",
+                        help="time forward + backward (grads of all inputs), with peak extra memory")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,7 +163,8 @@ def main(argv=None) -> int:
     rows = []
     for dtype_name in args.dtypes.split(","):
         for shape in parse_shapes(args.shapes):
-            rows += bench_forward(shape, DTYPES[dtype_name], args.rounds, args.warmup)
+            bench = bench_backward if args.backward else bench_forward
+            rows += bench(shape, DTYPES[dtype_name], args.rounds, args.warmup)
             torch.cuda.empty_cache()
     print_table(rows)
     if args.json:

@@ -107,25 +107,66 @@ def build(verbose: bool = False) -> str:
         is_python_module=False,
         verbose=verbose,
     )
-    _register_fake_kernels()
+    _register_python_parts()
     _library_path = path
     return path
 
 
 # ---------------------------------------------------------------------------------------------
-# Op registration: the schema and CUDA kernels live in C++ (kernels/register_ops.cu); the fake
-# kernel (shapes and dtypes only, for torch.compile and FakeTensor) is registered here.
+# Op registration: the schemas and CUDA kernels live in C++ (kernels/register_ops.cu); the fake
+# kernels (shapes and dtypes only, for torch.compile and FakeTensor) and the autograd formula
+# (the fused backward op) are registered here once the library is loaded.
 # ---------------------------------------------------------------------------------------------
 
 
-def _register_fake_kernels() -> None:
-    @torch.library.register_fake("fused_triplet::triplet_margin_loss")
-    def _triplet_margin_loss_fake(anchor, positive, negative, margin, p, eps, swap, reduction):
-        batch = anchor.shape[:-1]
-        acc_dtype = torch.float64 if anchor.dtype == torch.float64 else torch.float32
-        loss = anchor.new_empty(batch if reduction == 0 else ())
-        dists = anchor.new_empty((3 if swap else 2, math.prod(batch)), dtype=acc_dtype)
-        return loss, dists
+def _hinge_passes_at_zero() -> bool:
+    """Whether the installed torch's clamp_min passes the gradient at exactly its bound (torch up
+    to 2.13 does, 2.14 does not); the fused backward does the same."""
+    x = torch.zeros((), requires_grad=True)
+    x.clamp_min(0).backward()
+    return bool(x.grad != 0)
+
+
+def _triplet_fake(anchor, positive, negative, margin, p, eps, swap, reduction):
+    batch = anchor.shape[:-1]
+    acc_dtype = torch.float64 if anchor.dtype == torch.float64 else torch.float32
+    loss = anchor.new_empty(batch if reduction == 0 else ())
+    dists = anchor.new_empty((3 if swap else 2, math.prod(batch)), dtype=acc_dtype)
+    return loss, dists
+
+
+def _triplet_backward_fake(grad, anchor, positive, negative, dists, margin, p, eps, swap,
+                           reduction, hinge_at_zero, output_mask):
+    return tuple(x.new_empty(x.shape) if needed else x.new_empty((0,))
+                 for x, needed in zip((anchor, positive, negative), output_mask))
+
+
+def _triplet_setup_context(ctx, inputs, output):
+    anchor, positive, negative, margin, p, eps, swap, reduction = inputs
+    ctx.save_for_backward(anchor, positive, negative, output[1])
+    ctx.options = (margin, p, eps, swap, reduction)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _triplet_backward(ctx, grad_loss, _grad_dists):
+    anchor, positive, negative, dists = ctx.saved_tensors
+    needed = list(ctx.needs_input_grad[:3])
+    grads = torch.ops.fused_triplet.triplet_margin_loss_backward(
+        grad_loss, anchor, positive, negative, dists, *ctx.options, _HINGE_AT_ZERO, needed)
+    return tuple(g if need else None for g, need in zip(grads, needed)) + (None,) * 5
+
+
+_HINGE_AT_ZERO = None
+
+
+def _register_python_parts() -> None:
+    global _HINGE_AT_ZERO
+    _HINGE_AT_ZERO = _hinge_passes_at_zero()
+    torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
+    torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
+        _triplet_backward_fake)
+    torch.library.register_autograd("fused_triplet::triplet_margin_loss", _triplet_backward,
+                                    setup_context=_triplet_setup_context)
 
 
 def _ops():

@@ -13,8 +13,16 @@ TORCH_LIBRARY(fused_triplet, m) {
   m.def(
       "triplet_margin_loss(Tensor anchor, Tensor positive, Tensor negative, float margin, "
       "float p, float eps, bool swap, int reduction) -> (Tensor, Tensor)");
+  // The gradients of (anchor, positive, negative) given the upstream gradient of the loss and
+  // the forward's dists; output_mask says which are needed (the others come back empty).
+  // hinge_at_zero: whether clamp_min passes the gradient at exactly 0 (torch <= 2.13 does).
+  m.def(
+      "triplet_margin_loss_backward(Tensor grad, Tensor anchor, Tensor positive, "
+      "Tensor negative, Tensor dists, float margin, float p, float eps, bool swap, "
+      "int reduction, bool hinge_at_zero, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
   m.impl("triplet_margin_loss", &fused_triplet::triplet_margin_loss_cuda);
+  m.impl("triplet_margin_loss_backward", &fused_triplet::triplet_margin_loss_backward_cuda);
 }

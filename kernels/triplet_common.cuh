@@ -13,7 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <array>
 #include <tuple>
+#include <type_traits>
 
 namespace fused_triplet {
 
@@ -91,6 +93,14 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
       ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
+}
+
+// Gradients are not re-read soon by this kernel: stream them out (evict-first).
+template <typename T>
+__device__ __forceinline__ void store_pack(T* ptr, const Pack<T>& v) {
+  uint4 raw;
+  memcpy(&raw, &v, sizeof(raw));
+  __stcs(reinterpret_cast<uint4*>(ptr), raw);
 }
 
 template <typename A, typename T>
@@ -234,6 +244,145 @@ __device__ __forceinline__ A block_sum(A v, A* smem) {
   return v;
 }
 
+// ---- launch heuristic (forward and backward) -----------------------------------------------
+
+struct RowConfig {
+  int threads_per_row;  // TPR: threads cooperating on one row
+  int64_t grid;         // blocks
+};
+
+inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size) {
+  const int64_t packs = (dim * elem_size + kVecBytes - 1) / kVecBytes;
+  // Threads per row: the smallest team that leaves each thread at most 16 packs per input, so
+  // short rows do not leave most of a block idle and long rows get a whole block.
+  //   <= 128 packs (2 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
+  RowConfig cfg;
+  cfg.threads_per_row = packs <= 8 * 16 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
+  const int64_t rows_per_block = kBlockThreads / cfg.threads_per_row;
+  const int64_t row_groups = (rows + rows_per_block - 1) / rows_per_block;
+  // One block per row group (the hardware balances the tail); past 2^20 blocks the grid-stride
+  // loop takes over, which also bounds the per-block partial-sum buffer.
+  cfg.grid = std::min<int64_t>(row_groups, int64_t(1) << 20);
+  return cfg;
+}
+
+// The three inputs as (rows, dim) arrays plus the loss parameters: the part of the forward and
+// backward kernels' arguments that is the same.
+template <typename T>
+struct TripletRows {
+  const T* a;
+  const T* p;
+  const T* n;
+  int64_t stride_a, stride_p, stride_n;  // row strides, elements (0: a broadcast row)
+  int64_t rows, dim;
+  bool vectorized;  // every row start 16-byte aligned: use 128-bit loads
+  acc_t<T> margin, eps;
+  NormParams<acc_t<T>> norm;
+};
+
+// Calls launch(kind, threads_per_row, swap) with each runtime choice as a compile-time constant
+// (std::integral_constant), so one switch serves every kernel family.
+template <typename Launch>
+void dispatch_row_kernel(NormKind kind, int threads_per_row, bool swap, const Launch& launch) {
+  auto with_swap = [&](auto k, auto tpr) {
+    if (swap) {
+      launch(k, tpr, std::true_type{});
+    } else {
+      launch(k, tpr, std::false_type{});
+    }
+  };
+  auto with_tpr = [&](auto k) {
+    switch (threads_per_row) {
+      case 8: with_swap(k, std::integral_constant<int, 8>{}); break;
+      case 32: with_swap(k, std::integral_constant<int, 32>{}); break;
+      default: with_swap(k, std::integral_constant<int, kBlockThreads>{}); break;
+    }
+  };
+  switch (kind) {
+    case NormKind::kTwo: with_tpr(std::integral_constant<NormKind, NormKind::kTwo>{}); break;
+    case NormKind::kOne: with_tpr(std::integral_constant<NormKind, NormKind::kOne>{}); break;
+    default: with_tpr(std::integral_constant<NormKind, NormKind::kOther>{}); break;
+  }
+}
+
+// ---- host helpers ----------------------------------------------------------------------------
+
+// (rows, dim) view with unit element stride; a view whenever the batch dims collapse to one
+// row stride (contiguous, x[:, :D] of a wider tensor, a broadcast row), a copy otherwise.
+inline at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t dim) {
+  at::Tensor r = x.reshape({rows, dim});
+  if (dim > 1 && r.stride(1) != 1) r = r.contiguous();
+  return r;
+}
+
+inline bool rows_aligned(const at::Tensor& r) {
+  const auto addr = reinterpret_cast<std::uintptr_t>(r.data_ptr());
+  const bool stride_ok = r.size(0) <= 1 || (r.stride(0) * r.element_size()) % kVecBytes == 0;
+  return addr % kVecBytes == 0 && stride_ok;
+}
+
+template <typename A>
+inline NormParams<A> norm_params(double p) {
+  NormParams<A> prm;
+  prm.p = static_cast<A>(p);
+  prm.inv_p = static_cast<A>(1.0 / p);
+  if (p == 0.0) {
+    prm.mode = OtherMode::kZero;
+  } else if (std::isinf(p)) {
+    prm.mode = p > 0 ? OtherMode::kInf : OtherMode::kNegInf;
+  } else {
+    prm.mode = OtherMode::kPow;
+  }
+  return prm;
+}
+
+inline NormKind norm_kind(double p) {
+  if (p == 2.0) return NormKind::kTwo;
+  if (p == 1.0) return NormKind::kOne;
+  return NormKind::kOther;
+}
+
+template <typename T>
+TripletRows<T> make_triplet_rows(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
+                                 bool vectorized, double margin, double eps, double pnorm) {
+  TripletRows<T> r;
+  r.a = a.const_data_ptr<T>();
+  r.p = p.const_data_ptr<T>();
+  r.n = n.const_data_ptr<T>();
+  r.stride_a = a.stride(0);
+  r.stride_p = p.stride(0);
+  r.stride_n = n.stride(0);
+  r.rows = a.size(0);
+  r.dim = a.size(1);
+  r.vectorized = vectorized;
+  r.margin = static_cast<acc_t<T>>(margin);
+  r.eps = static_cast<acc_t<T>>(eps);
+  r.norm = norm_params<acc_t<T>>(pnorm);
+  return r;
+}
+
+inline void check_triplet_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
+                                 double pnorm, int64_t reduction) {
+  TORCH_CHECK(reduction >= kNone && reduction <= kSum, "fused_triplet: unknown reduction ",
+              reduction);
+  TORCH_CHECK(a.is_cuda() && p.device() == a.device() && n.device() == a.device(),
+              "fused_triplet: anchor, positive and negative must be on one CUDA device, got ",
+              a.device(), ", ", p.device(), ", ", n.device());
+  TORCH_CHECK(p.scalar_type() == a.scalar_type() && n.scalar_type() == a.scalar_type(),
+              "fused_triplet: anchor, positive and negative must have one dtype, got ",
+              a.scalar_type(), ", ", p.scalar_type(), ", ", n.scalar_type());
+  TORCH_CHECK(at::isFloatingType(a.scalar_type()),
+              "fused_triplet: expected a floating point dtype, got ", a.scalar_type());
+  TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
+  TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
+              "fused_triplet: anchor, positive and negative must have one shape (broadcast "
+              "them first), got ", a.sizes(), ", ", p.sizes(), ", ", n.sizes());
+  TORCH_CHECK(!(a.size(-1) == 0 && std::isinf(pnorm)),
+              "linalg.vector_norm cannot compute the inf norm on an empty tensor because the "
+              "operation does not have an identity");
+}
+
+
 // ---- host entry points (defined in the .cu files, registered in register_ops.cu) -----------
 
 std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
@@ -241,6 +390,11 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
                                                             const at::Tensor& negative,
                                                             double margin, double p, double eps,
                                                             bool swap, int64_t reduction);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
+    const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
+    bool swap, int64_t reduction, bool hinge_at_zero, std::array<bool, 3> output_mask);
 
 }  // namespace fused_triplet
 

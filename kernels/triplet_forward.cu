@@ -16,15 +16,7 @@
 namespace fused_triplet {
 
 template <typename T>
-struct ForwardArgs {
-  const T* a;
-  const T* p;
-  const T* n;
-  int64_t stride_a, stride_p, stride_n;  // row strides, elements (0: a broadcast row)
-  int64_t rows, dim;
-  bool vectorized;  // every row start 16-byte aligned: use 128-bit loads
-  acc_t<T> margin, eps;
-  NormParams<acc_t<T>> norm;
+struct ForwardArgs : TripletRows<T> {
   T* loss_rows;           // [rows] loss in the input dtype (reduction 'none'), or null
   acc_t<T>* block_sums;   // [gridDim.x] sum of the block's row losses ('mean'/'sum'), or null
   acc_t<T>* dists;        // [2 or 3, rows]: d_ap, d_an (, d_pn with swap)
@@ -250,141 +242,27 @@ __global__ void __launch_bounds__(kSumThreads)
   if (threadIdx.x == 0) out[0] = static_cast<T>(v / divisor);
 }
 
-// ---- launch heuristic ----------------------------------------------------------------------
+// ---- launch ------------------------------------------------------------------------------
 
-struct ForwardConfig {
-  int threads_per_row;  // TPR: threads cooperating on one row
-  int64_t grid;         // blocks
-  bool bulk;            // stream rows through shared memory with the copy engine
-};
-
-ForwardConfig choose_forward_config(int64_t rows, int64_t dim, int64_t elem_size, bool vectorized,
-                                    int cc_major) {
-  const int64_t packs = (dim * elem_size + kVecBytes - 1) / kVecBytes;
-  // Threads per row: the smallest team that leaves each thread at most 16 packs per input, so
-  // short rows do not leave most of a block idle and long rows get a whole block.
-  //   <= 128 packs (2 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
-  ForwardConfig cfg;
-  cfg.threads_per_row = packs <= 8 * 16 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
-  const int64_t rows_per_block = kBlockThreads / cfg.threads_per_row;
-  const int64_t row_groups = (rows + rows_per_block - 1) / rows_per_block;
-  // One block per row group (the hardware balances the tail); past 2^20 blocks the grid-stride
-  // loop takes over, which also bounds the per-block partial-sum buffer.
-  cfg.grid = std::min<int64_t>(row_groups, int64_t(1) << 20);
-  // Rows of at least one full chunk per input, 16-byte aligned and a 16-byte multiple long, on
-  // sm_90+: the bulk-copy kernel (the copy engine needs those alignments). Its ring of 4 x 8 KiB
-  // stages (96 KiB, 2 blocks per SM) measured best: 2 x 16 KiB tied, 8 x 4 KiB and any 1-block-
-  // per-SM ring (6 x 8 KiB, 4 x 16 KiB) were 13-50% slower, a persistent grid 0.8% slower.
-  cfg.bulk = cc_major >= 9 && vectorized && cfg.threads_per_row == kBlockThreads &&
-             (dim * elem_size) % kVecBytes == 0 && dim * elem_size >= kBulkChunkBytes;
-  return cfg;
-}
-
-template <typename T, NormKind K, int TPR>
-void launch_forward_tpr(const ForwardArgs<T>& args, bool swap, int64_t grid, cudaStream_t stream) {
-  if (swap) {
-    triplet_forward_kernel<T, K, TPR, true><<<grid, kBlockThreads, 0, stream>>>(args);
-  } else {
-    triplet_forward_kernel<T, K, TPR, false><<<grid, kBlockThreads, 0, stream>>>(args);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, NormKind K, bool SWAP>
-void launch_forward_bulk(const ForwardArgs<T>& args, int64_t grid, cudaStream_t stream) {
-  const auto kernel = triplet_forward_bulk_kernel<T, K, SWAP>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kBulkSmemBytes));
-  kernel<<<grid, kBlockThreads, kBulkSmemBytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, NormKind K>
-void launch_forward_kind(const ForwardArgs<T>& args, bool swap, const ForwardConfig& cfg,
-                         cudaStream_t stream) {
-  if (cfg.bulk) {
-    if (swap) {
-      launch_forward_bulk<T, K, true>(args, cfg.grid, stream);
-    } else {
-      launch_forward_bulk<T, K, false>(args, cfg.grid, stream);
-    }
-    return;
-  }
-  switch (cfg.threads_per_row) {
-    case 8: launch_forward_tpr<T, K, 8>(args, swap, cfg.grid, stream); break;
-    case 32: launch_forward_tpr<T, K, 32>(args, swap, cfg.grid, stream); break;
-    default: launch_forward_tpr<T, K, kBlockThreads>(args, swap, cfg.grid, stream); break;
-  }
+// Rows of at least one full chunk per input, 16-byte aligned and a 16-byte multiple long, on
+// sm_90+, whose rows get a whole block: the bulk-copy kernel (the copy engine needs those
+// alignments). Its ring of 4 x 8 KiB stages (96 KiB, 2 blocks per SM) measured best: 2 x 16 KiB
+// tied, 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB, 4 x 16 KiB) were 13-50% slower, a
+// persistent grid 0.8% slower.
+bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size, bool vectorized,
+                     int cc_major) {
+  return cc_major >= 9 && vectorized && cfg.threads_per_row == kBlockThreads &&
+         (dim * elem_size) % kVecBytes == 0 && dim * elem_size >= kBulkChunkBytes;
 }
 
 // ---- host op -------------------------------------------------------------------------------
-
-namespace {
-
-// (rows, dim) view with unit element stride; a view whenever the batch dims collapse to one
-// row stride (contiguous, x[:, :D] of a wider tensor, a broadcast row), a copy otherwise.
-at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t dim) {
-  at::Tensor r = x.reshape({rows, dim});
-  if (dim > 1 && r.stride(1) != 1) r = r.contiguous();
-  return r;
-}
-
-bool rows_aligned(const at::Tensor& r) {
-  const auto addr = reinterpret_cast<std::uintptr_t>(r.data_ptr());
-  const bool stride_ok = r.size(0) <= 1 || (r.stride(0) * r.element_size()) % kVecBytes == 0;
-  return addr % kVecBytes == 0 && stride_ok;
-}
-
-template <typename A>
-NormParams<A> norm_params(double p) {
-  NormParams<A> prm;
-  prm.p = static_cast<A>(p);
-  prm.inv_p = static_cast<A>(1.0 / p);
-  if (p == 0.0) {
-    prm.mode = OtherMode::kZero;
-  } else if (std::isinf(p)) {
-    prm.mode = p > 0 ? OtherMode::kInf : OtherMode::kNegInf;
-  } else {
-    prm.mode = OtherMode::kPow;
-  }
-  return prm;
-}
-
-NormKind norm_kind(double p) {
-  if (p == 2.0) return NormKind::kTwo;
-  if (p == 1.0) return NormKind::kOne;
-  return NormKind::kOther;
-}
-
-void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
-                  int64_t reduction) {
-  TORCH_CHECK(reduction >= kNone && reduction <= kSum, "fused_triplet: unknown reduction ",
-              reduction);
-  TORCH_CHECK(a.is_cuda() && p.device() == a.device() && n.device() == a.device(),
-              "fused_triplet: anchor, positive and negative must be on one CUDA device, got ",
-              a.device(), ", ", p.device(), ", ", n.device());
-  TORCH_CHECK(p.scalar_type() == a.scalar_type() && n.scalar_type() == a.scalar_type(),
-              "fused_triplet: anchor, positive and negative must have one dtype, got ",
-              a.scalar_type(), ", ", p.scalar_type(), ", ", n.scalar_type());
-  TORCH_CHECK(at::isFloatingType(a.scalar_type()),
-              "fused_triplet: expected a floating point dtype, got ", a.scalar_type());
-  TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
-  TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
-              "fused_triplet: anchor, positive and negative must have one shape (broadcast "
-              "them first), got ", a.sizes(), ", ", p.sizes(), ", ", n.sizes());
-  TORCH_CHECK(!(a.size(-1) == 0 && std::isinf(pnorm)),
-              "linalg.vector_norm cannot compute the inf norm on an empty tensor because the "
-              "operation does not have an identity");
-}
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
                                                             const at::Tensor& positive,
                                                             const at::Tensor& negative,
                                                             double margin, double p, double eps,
                                                             bool swap, int64_t reduction) {
-  check_inputs(anchor, positive, negative, p, reduction);
+  check_triplet_inputs(anchor, positive, negative, p, reduction);
   const c10::cuda::CUDAGuard guard(anchor.device());
 
   const auto batch = anchor.sizes().slice(0, anchor.dim() - 1);
@@ -409,8 +287,8 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
   int cc_major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor,
                                         anchor.get_device()));
-  const ForwardConfig cfg =
-      choose_forward_config(rows, dim, anchor.element_size(), vectorized, cc_major);
+  const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
+  const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, cc_major);
   at::Tensor block_sums;
   if (reduction != kNone) block_sums = at::empty({cfg.grid}, opts.dtype(acc_dtype));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -418,27 +296,27 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fused_triplet_forward", [&] {
     using A = acc_t<scalar_t>;
     ForwardArgs<scalar_t> args;
-    args.a = a.const_data_ptr<scalar_t>();
-    args.p = pos.const_data_ptr<scalar_t>();
-    args.n = neg.const_data_ptr<scalar_t>();
-    args.stride_a = a.stride(0);
-    args.stride_p = pos.stride(0);
-    args.stride_n = neg.stride(0);
-    args.rows = rows;
-    args.dim = dim;
-    args.vectorized = vectorized;
-    args.margin = static_cast<A>(margin);
-    args.eps = static_cast<A>(eps);
-    args.norm = norm_params<A>(p);
+    static_cast<TripletRows<scalar_t>&>(args) =
+        make_triplet_rows<scalar_t>(a, pos, neg, vectorized, margin, eps, p);
     args.loss_rows = reduction == kNone ? loss.mutable_data_ptr<scalar_t>() : nullptr;
     args.block_sums = reduction == kNone ? nullptr : block_sums.mutable_data_ptr<A>();
     args.dists = dists.mutable_data_ptr<A>();
-
-    switch (norm_kind(p)) {
-      case NormKind::kTwo: launch_forward_kind<scalar_t, NormKind::kTwo>(args, swap, cfg, stream); break;
-      case NormKind::kOne: launch_forward_kind<scalar_t, NormKind::kOne>(args, swap, cfg, stream); break;
-      default: launch_forward_kind<scalar_t, NormKind::kOther>(args, swap, cfg, stream); break;
-    }
+    dispatch_row_kernel(norm_kind(p), cfg.threads_per_row, swap, [&](auto kind, auto tpr, auto sw) {
+      constexpr NormKind K = decltype(kind)::value;
+      constexpr int TPR = decltype(tpr)::value;
+      constexpr bool SWAP = decltype(sw)::value;
+      if constexpr (TPR == kBlockThreads) {
+        if (bulk) {
+          const auto kernel = triplet_forward_bulk_kernel<scalar_t, K, SWAP>;
+          C10_CUDA_CHECK(cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
+          kernel<<<cfg.grid, kBlockThreads, kBulkSmemBytes, stream>>>(args);
+          return;
+        }
+      }
+      triplet_forward_kernel<scalar_t, K, TPR, SWAP><<<cfg.grid, kBlockThreads, 0, stream>>>(args);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (reduction != kNone) {
       const double divisor = reduction == kMean ? static_cast<double>(rows) : 1.0;
       sum_partials_kernel<scalar_t, A><<<1, kSumThreads, 0, stream>>>(

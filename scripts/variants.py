@@ -17,20 +17,20 @@ sys.path.insert(0, ROOT)
 LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
 UNROLL = "constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;"
 TPR_RULE = "packs <= 32 * 16 ? 32 : kBlockThreads);"
-TPR_DEFAULT = "default: launch_forward_tpr<T, K, kBlockThreads>"
+TPR_DEFAULT = "default: with_swap(k, std::integral_constant<int, kBlockThreads>{});"
 GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
 
-BULK = "cfg.bulk = cc_major >= 9 &&"
+BULK = "return cc_major >= 9 &&"
 STAGES = "constexpr int kBulkStages = 4;"
 CHUNK = "constexpr int kBulkChunkBytes = 8192;"
 
 VARIANTS = {
     "base": [],
-    "nobulk": [(BULK, "cfg.bulk = false &&")],
+    "nobulk": [(BULK, "return false &&")],
     "nobulk_tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
                       (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
-    "nobulk_block512": [(BULK, "cfg.bulk = false &&"), (BLOCK, BLOCK.replace("256", "512"))],
+    "nobulk_block512": [(BULK, "return false &&"), (BLOCK, BLOCK.replace("256", "512"))],
     "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
     "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],

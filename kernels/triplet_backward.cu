@@ -1,0 +1,275 @@
+// Backward: one pass over anchor, positive and negative, writing the gradients that are needed.
+//
+// Nothing B x D was saved: forward kept only the per-row distances. Per row the gradient is
+//   dL/da = c_ap f(u_ap) + c_an f(u_an),  dL/dp = -c_ap f(u_ap) + c_pn f(u_pn),
+//   dL/dn = -c_an f(u_an) - c_pn f(u_pn),      u_xy = x - y + eps (recomputed as forward did),
+// with f the p-norm's element derivative and c_xy a per-row scale built from the upstream
+// gradient, the hinge, the swap choice and d_xy, following torch's autograd formulas:
+//   clamp_min: gradient where margin + d_ap - d_neg > 0 (and at exactly 0 as the installed torch
+//   does: hinge_at_zero); minimum (swap): to the smaller distance, half each on a tie, both when
+//   NaN; norms: p = 2 u / d (0 where d = 0); p = 1 sgn(u); p = +-inf sgn(u) / #ties on the
+//   entries equal to the norm (or NaN); p = 0 none; p < 1 sgn(u) |u|^(p-1) (0 at u = 0) d^(1-p);
+//   1 < p < 2 sgn(u) |u|^(p-1) / d^(p-1); p >= 2 u |u|^(p-2) / d^(p-1) (0 where d = 0).
+#include "triplet_common.cuh"
+
+namespace fused_triplet {
+
+template <typename T>
+struct BackwardArgs : TripletRows<T> {  // vectorized: input and gradient rows 16-byte aligned
+  const acc_t<T>* dists;  // [2 or 3, rows] from forward
+  const T* grad;          // upstream gradient: [rows] ('none') or one value ('mean'/'sum')
+  int64_t grad_stride;    // 1 or 0
+  acc_t<T> grad_scale;    // 1 / rows for 'mean', else 1
+  bool hinge_at_zero;
+  T* grad_a;  // [rows, dim] contiguous, or null when not needed
+  T* grad_p;
+  T* grad_n;
+};
+
+template <typename A>
+__device__ __forceinline__ A sgn(A x) {
+  return A(x > A(0)) - A(x < A(0));  // 0 for 0 and NaN, as torch's sign
+}
+
+// The p-norm's element derivative f(u) (without the per-row scale).
+template <typename A, NormKind K>
+__device__ __forceinline__ A norm_grad_elem(const NormParams<A>& prm, A u, A d) {
+  if constexpr (K == NormKind::kTwo) {
+    return u;
+  } else if constexpr (K == NormKind::kOne) {
+    return sgn(u);
+  } else {
+    switch (prm.mode) {
+      case OtherMode::kZero: return A(0);
+      case OtherMode::kInf:
+      case OtherMode::kNegInf: return (abs_acc(u) == d || u != u) ? sgn(u) : A(0);
+      default:
+        if (prm.p < A(1)) return u == A(0) ? A(0) : sgn(u) * pow_acc(abs_acc(u), prm.p - A(1));
+        if (prm.p < A(2)) return sgn(u) * pow_acc(abs_acc(u), prm.p - A(1));
+        return u * pow_acc(abs_acc(u), prm.p - A(2));
+    }
+  }
+}
+
+// The per-row scale of f for a distance d that receives upstream gradient g (ties: the number
+// of entries equal to an inf-norm, counted by the kernel).
+template <typename A, NormKind K>
+__device__ __forceinline__ A norm_grad_scale(const NormParams<A>& prm, A g, A d, A ties) {
+  if constexpr (K == NormKind::kTwo) {
+    return d == A(0) ? A(0) : g / d;
+  } else if constexpr (K == NormKind::kOne) {
+    return g;
+  } else {
+    switch (prm.mode) {
+      case OtherMode::kZero: return A(0);
+      case OtherMode::kInf:
+      case OtherMode::kNegInf: return g / ties;
+      default:
+        if (prm.p < A(1)) return g * pow_acc(d, A(1) - prm.p);
+        return d == A(0) ? A(0) : g / pow_acc(d, prm.p - A(1));
+    }
+  }
+}
+
+template <typename A>
+struct RowGrad {
+  A d_ap, d_an, d_pn;  // distances
+  A g_ap, g_an, g_pn;  // upstream gradient reaching each distance
+};
+
+template <typename T, bool SWAP>
+__device__ __forceinline__ RowGrad<acc_t<T>> row_grad(const BackwardArgs<T>& args, int64_t row) {
+  using A = acc_t<T>;
+  RowGrad<A> r;
+  r.d_ap = args.dists[row];
+  r.d_an = args.dists[args.rows + row];
+  r.d_pn = SWAP ? args.dists[2 * args.rows + row] : A(0);
+  const A d_neg = SWAP ? min_nan(r.d_an, r.d_pn) : r.d_an;
+  const A hinge_in = args.margin + r.d_ap - d_neg;
+  const bool active = hinge_in > A(0) || (hinge_in == A(0) && args.hinge_at_zero);
+  const A g = active ? to_acc<A>(args.grad[row * args.grad_stride]) * args.grad_scale : A(0);
+  A w_an = A(1), w_pn = A(0);
+  if constexpr (SWAP) {
+    w_an = r.d_an > r.d_pn ? A(0) : (r.d_an == r.d_pn ? A(0.5) : A(1));
+    w_pn = r.d_an < r.d_pn ? A(0) : (r.d_an == r.d_pn ? A(0.5) : A(1));
+  }
+  r.g_ap = g;
+  r.g_an = -g * w_an;
+  r.g_pn = -g * w_pn;
+  return r;
+}
+
+template <typename T, NormKind K, int TPR, bool SWAP>
+__global__ void __launch_bounds__(kBlockThreads)
+    triplet_backward_kernel(const BackwardArgs<T> args) {
+  using A = acc_t<T>;
+  constexpr int kVec = Pack<T>::kN;
+  // As forward: 4 packs per input in flight, 1 for general p (pow calls would spill).
+  constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;
+  constexpr int kRowsPerBlock = kBlockThreads / TPR;
+  __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
+
+  const NormParams<A> prm = args.norm;
+  const Norm<A, NormKind::kOne> counter{prm};  // plain sums, for counting inf-norm ties
+  const bool inf_norm = K == NormKind::kOther &&
+                        (prm.mode == OtherMode::kInf || prm.mode == OtherMode::kNegInf);
+  const int team = threadIdx.x / TPR;
+  const int lane = threadIdx.x % TPR;
+
+  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < args.rows;
+       base += int64_t(gridDim.x) * kRowsPerBlock) {
+    const int64_t row = base + team;
+    const bool live = row < args.rows;
+    const int64_t r = live ? row : 0;
+    const RowGrad<A> rg = row_grad<T, SWAP>(args, r);
+    const T* a = args.a + r * args.stride_a;
+    const T* p = args.p + r * args.stride_p;
+    const T* n = args.n + r * args.stride_n;
+    const A eps = args.eps;
+
+    RowSums<A> ties{A(1), A(1), A(1)};
+    if (inf_norm) {  // block-uniform: every thread reaches team_reduce's barriers
+      RowSums<A> c{A(0), A(0), A(0)};
+      for (int64_t i = lane; live && i < args.dim; i += TPR) {
+        const A xa = to_acc<A>(a[i]), xp = to_acc<A>(p[i]), xn = to_acc<A>(n[i]);
+        const A u_ap = xa - xp + eps, u_an = xa - xn + eps, u_pn = xp - xn + eps;
+        c.ap += A(abs_acc(u_ap) == rg.d_ap || u_ap != u_ap);
+        c.an += A(abs_acc(u_an) == rg.d_an || u_an != u_an);
+        if constexpr (SWAP) c.pn += A(abs_acc(u_pn) == rg.d_pn || u_pn != u_pn);
+      }
+      c = team_reduce<TPR>(c, counter, smem_rows);
+      if constexpr (TPR <= 32) {
+        ties = c;  // the xor-shuffle reduction leaves the counts in every lane of the team
+      } else {  // only lane 0 holds them: share through shared memory
+        if (lane == 0) smem_rows[team] = c;
+        __syncthreads();
+        ties = smem_rows[team];
+        __syncthreads();
+      }
+    }
+    if (!live) continue;
+
+    const A c_ap = norm_grad_scale<A, K>(prm, rg.g_ap, rg.d_ap, ties.ap);
+    const A c_an = norm_grad_scale<A, K>(prm, rg.g_an, rg.d_an, ties.an);
+    const A c_pn = SWAP ? norm_grad_scale<A, K>(prm, rg.g_pn, rg.d_pn, ties.pn) : A(0);
+    const int64_t out_row = row * args.dim;
+
+    // Gradients of one element of each input.
+    auto grads = [&](A xa, A xp, A xn, A& ga, A& gp, A& gn) {
+      const A f_ap = c_ap * norm_grad_elem<A, K>(prm, xa - xp + eps, rg.d_ap);
+      const A f_an = c_an * norm_grad_elem<A, K>(prm, xa - xn + eps, rg.d_an);
+      const A f_pn = SWAP ? c_pn * norm_grad_elem<A, K>(prm, xp - xn + eps, rg.d_pn) : A(0);
+      ga = f_ap + f_an;
+      gp = f_pn - f_ap;
+      gn = -f_an - f_pn;
+    };
+
+    int64_t i = lane;  // scalar element index for the tail / unaligned path
+    if (args.vectorized) {
+      const int64_t packs = args.dim / kVec;
+      for (int64_t v0 = lane; v0 < packs; v0 += int64_t(kUnroll) * TPR) {
+        Pack<T> pa[kUnroll], pp[kUnroll], pn[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + int64_t(u) * TPR;
+          if (v < packs) {
+            pa[u] = load_pack(a + v * kVec);
+            pp[u] = load_pack(p + v * kVec);
+            pn[u] = load_pack(n + v * kVec);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + int64_t(u) * TPR;
+          if (v >= packs) break;
+          Pack<T> oa, op, on;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) {
+            A ga, gp, gn;
+            grads(to_acc<A>(pa[u].v[j]), to_acc<A>(pp[u].v[j]), to_acc<A>(pn[u].v[j]), ga, gp, gn);
+            oa.v[j] = static_cast<T>(ga);
+            op.v[j] = static_cast<T>(gp);
+            on.v[j] = static_cast<T>(gn);
+          }
+          const int64_t at = out_row + v * kVec;
+          if (args.grad_a != nullptr) store_pack(args.grad_a + at, oa);
+          if (args.grad_p != nullptr) store_pack(args.grad_p + at, op);
+          if (args.grad_n != nullptr) store_pack(args.grad_n + at, on);
+        }
+      }
+      i = packs * kVec + lane;
+    }
+    for (; i < args.dim; i += TPR) {
+      A ga, gp, gn;
+      grads(to_acc<A>(a[i]), to_acc<A>(p[i]), to_acc<A>(n[i]), ga, gp, gn);
+      if (args.grad_a != nullptr) args.grad_a[out_row + i] = static_cast<T>(ga);
+      if (args.grad_p != nullptr) args.grad_p[out_row + i] = static_cast<T>(gp);
+      if (args.grad_n != nullptr) args.grad_n[out_row + i] = static_cast<T>(gn);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
+    const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
+    const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
+    bool swap, int64_t reduction, bool hinge_at_zero, std::array<bool, 3> output_mask) {
+  check_triplet_inputs(anchor, positive, negative, p, reduction);
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  const int64_t dim = anchor.size(-1);
+  const int64_t rows = c10::multiply_integers(anchor.sizes().slice(0, anchor.dim() - 1));
+  const auto acc_dtype = anchor.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(dists.is_cuda() && dists.device() == anchor.device() &&
+                  dists.scalar_type() == acc_dtype && dists.dim() == 2 &&
+                  dists.size(0) == (swap ? 3 : 2) && dists.size(1) == rows,
+              "fused_triplet: dists must be the forward's [", swap ? 3 : 2, ", ", rows, "] ",
+              acc_dtype, " tensor on ", anchor.device());
+  TORCH_CHECK(grad.device() == anchor.device() && grad.scalar_type() == anchor.scalar_type() &&
+                  grad.numel() == (reduction == kNone ? rows : 1),
+              "fused_triplet: the upstream gradient must be ", reduction == kNone ? rows : 1,
+              " values of ", anchor.scalar_type(), " on ", anchor.device());
+
+  std::array<at::Tensor, 3> out;
+  const at::Tensor* inputs[3] = {&anchor, &positive, &negative};
+  for (int k = 0; k < 3; ++k) {
+    out[k] = output_mask[k] ? at::empty(inputs[k]->sizes(), anchor.options())
+                            : at::empty({0}, anchor.options());
+  }
+  if (rows == 0 || dim == 0 || !(output_mask[0] || output_mask[1] || output_mask[2])) {
+    return {out[0], out[1], out[2]};
+  }
+
+  const at::Tensor a = as_rows(anchor, rows, dim);
+  const at::Tensor pos = as_rows(positive, rows, dim);
+  const at::Tensor neg = as_rows(negative, rows, dim);
+  const at::Tensor g = grad.reshape({-1}).contiguous();
+  const at::Tensor d = dists.contiguous();
+  // Gradients are written contiguous (row stride dim): 16-byte rows need dim * size % 16 == 0.
+  const bool vectorized = rows_aligned(a) && rows_aligned(pos) && rows_aligned(neg) &&
+                          (rows == 1 || (dim * anchor.element_size()) % kVecBytes == 0);
+  const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, anchor.scalar_type(),
+                                  "fused_triplet_backward", [&] {
+    using A = acc_t<scalar_t>;
+    BackwardArgs<scalar_t> args;
+    static_cast<TripletRows<scalar_t>&>(args) =
+        make_triplet_rows<scalar_t>(a, pos, neg, vectorized, margin, eps, p);
+    args.dists = d.const_data_ptr<A>();
+    args.grad = g.const_data_ptr<scalar_t>();
+    args.grad_stride = reduction == kNone ? 1 : 0;
+    args.grad_scale = reduction == kMean ? A(1) / static_cast<A>(rows) : A(1);
+    args.hinge_at_zero = hinge_at_zero;
+    args.grad_a = output_mask[0] ? out[0].mutable_data_ptr<scalar_t>() : nullptr;
+    args.grad_p = output_mask[1] ? out[1].mutable_data_ptr<scalar_t>() : nullptr;
+    args.grad_n = output_mask[2] ? out[2].mutable_data_ptr<scalar_t>() : nullptr;
+    dispatch_row_kernel(norm_kind(p), cfg.threads_per_row, swap, [&](auto kind, auto tpr, auto sw) {
+      triplet_backward_kernel<scalar_t, decltype(kind)::value, decltype(tpr)::value,
+                              decltype(sw)::value><<<cfg.grid, kBlockThreads, 0, stream>>>(args);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {out[0], out[1], out[2]};
+}
+
+}  // namespace fused_triplet

@@ -1,0 +1,210 @@
+"""The fused backward (the op's registered autograd) against torch's autograd; GPU only.
+
+The public API still routes inputs that require grad to the torch path until these tests have
+passed on the H200, so they call the fused op directly (`fused_loss`).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_triplet as ft
+from conftest import rand_triplet, requires_cuda
+
+pytestmark = requires_cuda
+DEV = "cuda"
+REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
+P_VALUES = [2.0, 1.0, math.inf, -math.inf, 0.0, 3.0, 1.5, 0.5, -1.5]
+
+
+def fused_loss(a, p, n, margin=1.0, pnorm=2.0, eps=1e-6, swap=False, reduction="mean"):
+    shape = tuple(torch.broadcast_shapes(a.shape, p.shape, n.shape))
+    return ft._fused_triplet_margin_loss(a, p, n, shape, margin, pnorm, eps, swap,
+                                         REDUCTIONS[reduction])
+
+
+def grads(fn, inputs, upstream=None):
+    xs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    out = fn(*xs)
+    out.backward(upstream if upstream is not None else torch.ones_like(out))
+    return out.detach(), [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("pnorm", P_VALUES)
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_gradcheck_fp64(pnorm, swap, reduction):
+    a, p, n = (x.double().requires_grad_() for x in rand_triplet((5, 7), device=DEV, seed=1))
+    fn = lambda *xs: fused_loss(*xs, margin=2.0, pnorm=pnorm, swap=swap, reduction=reduction)
+    assert torch.autograd.gradcheck(fn, (a, p, n), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 4, 9), (6, 1), (2, 3000), (300, 40)])
+def test_gradcheck_shapes_and_eps(shape):
+    a, p, n = (x.double().requires_grad_() for x in rand_triplet(shape, device=DEV, seed=2))
+    for eps in (0.0, 1e-6, 0.3):
+        fn = lambda *xs: fused_loss(*xs, margin=1.5, eps=eps, swap=True)
+        assert torch.autograd.gradcheck(fn, (a, p, n))
+
+
+@pytest.mark.parametrize("pnorm", [2.0, 1.0, math.inf, 3.0, 0.5])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("shape", [(64, 100), (16, 1000), (8, 8192)])
+def test_matches_torch_autograd_fp32(pnorm, swap, reduction, shape):
+    a, p, n = (x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=3))
+    kw = dict(margin=2.0, p=pnorm, swap=swap, reduction=reduction)
+    upstream = torch.rand(shape[:-1], device=DEV) if reduction == "none" else None
+    out, ours = grads(lambda *x: fused_loss(*x, margin=2.0, pnorm=pnorm, swap=swap,
+                                            reduction=reduction), (a, p, n), upstream)
+    ref_out, theirs = grads(lambda *x: F.triplet_margin_loss(*x, **kw), (a, p, n), upstream)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_other_dtypes_close_to_fp64(dtype):
+    a, p, n = (x.to(dtype).requires_grad_() for x in rand_triplet((256, 512), device=DEV, seed=4))
+    _, ours = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+    _, ref = grads(lambda *x: F.triplet_margin_loss(*x, swap=True),
+                   [x.detach().double().requires_grad_() for x in (a, p, n)])
+    _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, swap=True), (a, p, n))
+    for x, r, t in zip(ours, ref, theirs):
+        assert x.dtype == dtype
+        if dtype == torch.float64:
+            torch.testing.assert_close(x, r)
+        else:
+            assert (x.double() - r).abs().max() <= (t.double() - r).abs().max() * 1.01 + 1e-7
+
+
+def test_only_needed_gradients():
+    a, p, n = rand_triplet((32, 300), device=DEV, seed=5)
+    a.requires_grad_()
+    _, (ga, gp, gn) = grads(lambda *x: fused_loss(*x), (a, p, n))
+    _, (ra, _, _) = grads(lambda *x: F.triplet_margin_loss(*x), (a, p, n))
+    assert gp is None and gn is None
+    torch.testing.assert_close(ga, ra)
+
+
+def test_hinge_exactly_zero_as_installed_torch():
+    # D = 1, eps = 0, p = 1: d_ap = 0, d_an = 2 = margin, so the hinge input is exactly 0.
+    a = torch.zeros(4, 1, device=DEV, requires_grad=True)
+    p = torch.zeros(4, 1, device=DEV, requires_grad=True)
+    n = torch.full((4, 1), 2.0, device=DEV, requires_grad=True)
+    _, ours = grads(lambda *x: fused_loss(*x, margin=2.0, pnorm=1.0, eps=0.0), (a, p, n))
+    _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, margin=2.0, p=1.0, eps=0.0), (a, p, n))
+    for x, y in zip(ours, theirs):
+        assert torch.equal(x, y)
+
+
+def test_swap_ties_split_like_torch():
+    a, p, n = rand_triplet((16, 50), device=DEV, seed=6)
+    p = a.clone()  # d(p, n) == d(a, n) exactly: the minimum's gradient is split in half
+    for x in (a, p, n):
+        x.requires_grad_()
+    _, ours = grads(lambda *x: fused_loss(*x, margin=50.0, swap=True), (a, p, n))
+    _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, margin=50.0, swap=True), (a, p, n))
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y)
+
+
+def test_inf_norm_ties_like_torch():
+    a = torch.zeros(3, 8, device=DEV, requires_grad=True)
+    p = torch.tensor([[1., -1., 1., 0., 0., 0., 0., 0.]] * 3, device=DEV, requires_grad=True)
+    n = torch.rand(3, 8, device=DEV, requires_grad=True)
+    for pnorm in (math.inf, -math.inf):
+        _, ours = grads(lambda *x: fused_loss(*x, margin=5.0, pnorm=pnorm, eps=0.0), (a, p, n))
+        _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, margin=5.0, p=pnorm, eps=0.0),
+                          (a, p, n))
+        for x, y in zip(ours, theirs):
+            torch.testing.assert_close(x, y)
+
+
+def test_broadcast_and_strided_inputs():
+    g = torch.Generator(device=DEV).manual_seed(7)
+    a = torch.rand(1, 300, device=DEV, generator=g, requires_grad=True)   # broadcast row
+    wide = torch.rand(64, 310, device=DEV, generator=g)
+    p = wide[:, :300].detach().requires_grad_()                            # row stride 310
+    n = torch.rand(64, 300, device=DEV, generator=g, requires_grad=True)
+    _, ours = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+    _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, swap=True), (a, p, n))
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_poisoned_gradients_fully_written():
+    keep = [torch.full((1 << 24,), float("nan"), device=DEV) for _ in range(4)]
+    del keep
+    a, p, n = (x.requires_grad_() for x in rand_triplet((100, 1003), device=DEV, seed=8))
+    _, ours = grads(lambda *x: fused_loss(*x, margin=100.0), (a, p, n))
+    assert all(torch.isfinite(x).all() for x in ours)
+
+
+def test_deterministic_gradients():
+    a, p, n = (x.requires_grad_() for x in rand_triplet((500, 2048), device=DEV, seed=9))
+    _, first = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+    for _ in range(10):
+        _, again = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+        assert all(torch.equal(x, y) for x, y in zip(first, again))
+
+
+def test_opcheck_with_grad():
+    a, p, n = (x.requires_grad_() for x in rand_triplet((6, 40), device=DEV, seed=10))
+    torch.library.opcheck(ft._ops().triplet_margin_loss, (a, p, n, 1.0, 2.0, 1e-6, True, 1))
+    d = torch.rand(3, 6, device=DEV)
+    torch.library.opcheck(ft._ops().triplet_margin_loss_backward,
+                          (torch.rand((), device=DEV), a.detach(), p.detach(), n.detach(), d,
+                           1.0, 2.0, 1e-6, True, 1, True, [True, False, True]))
+
+
+def test_compile_fullgraph_forward_backward():
+    a, p, n = (x.requires_grad_() for x in rand_triplet((128, 512), device=DEV, seed=11))
+    compiled = torch.compile(lambda *x: fused_loss(*x, swap=True), fullgraph=True)
+    _, ours = grads(compiled, (a, p, n))
+    _, ref = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x, y)
+
+
+def test_cuda_graph_capture_and_replay():
+    static = [x.requires_grad_() for x in rand_triplet((256, 1024), device=DEV, seed=12)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        for _ in range(2):
+            fused_loss(*static).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in static:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = fused_loss(*static)
+        loss.backward()
+    fresh = rand_triplet((256, 1024), device=DEV, seed=13)
+    with torch.no_grad():
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_loss, ref_grads = grads(lambda *x: fused_loss(*x), [f.requires_grad_() for f in fresh])
+    torch.testing.assert_close(loss.detach(), ref_loss)
+    for s, r in zip(static, ref_grads):
+        torch.testing.assert_close(s.grad, r)
+
+
+def test_extra_memory_is_per_sample_only():
+    a, p, n = (x.requires_grad_() for x in rand_triplet((4096, 2048), device=DEV, seed=14))
+    fused_loss(a, p, n).backward()  # warm up; grads now exist
+    for x in (a, p, n):
+        x.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fused_loss(a, p, n).backward()
+    torch.cuda.synchronize()
+    grads_bytes = 3 * a.numel() * a.element_size()
+    extra = torch.cuda.max_memory_allocated() - base - grads_bytes
+    assert extra <= 1 << 20, extra
