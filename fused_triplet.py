@@ -73,16 +73,38 @@ _library_path = None
 
 
 def _extension_name() -> str:
-    digest = hashlib.sha256((cuda_source() + " ".join(NVCC_FLAGS)).encode()).hexdigest()
-    return "fused_triplet_" + digest[:16]
+    # torch's version too: a library built against another torch must not be loaded.
+    key = cuda_source() + " ".join(NVCC_FLAGS) + torch.__version__
+    return "fused_triplet_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def _toolkit_problem(cuda_home) -> str | None:
+    """Why the CUDA toolkit torch found cannot build the kernels, or None if it can."""
+    if not cuda_home or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return f"no CUDA toolkit found (CUDA_HOME={cuda_home!r})"
+    libs = [os.path.join(cuda_home, d) for d in ("lib64", "lib")]
+    if not any(os.path.isdir(d) and any(f.startswith("libcudart.so") for f in os.listdir(d))
+               for d in libs):
+        return (f"{cuda_home} has bin/nvcc but no lib64/libcudart.so (a wrapper script's "
+                "folder rather than the toolkit's?)")
+    return None
+
+
+def _unwritable(path: str) -> bool:
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return not (os.path.isdir(path) and os.access(path, os.W_OK))
+
+
+# torch.compile runs this at trace time and keeps the result (a first call inside a compiled
+# function loads the ops instead of tracing the build).
+@torch.compiler.assume_constant_result
 def build(verbose: bool = False) -> str:
     """Compile (the first time only) and load the CUDA ops; returns the shared library's path.
 
     Called on first CUDA use. Builds under $TORCH_EXTENSIONS_DIR, else torch's extension cache.
+    A library already built there for these sources and this torch loads without a toolkit.
     """
-    global _library_path
     if _library_path is not None:
         return _library_path
     if not KERNEL_SOURCES:
@@ -94,8 +116,22 @@ def build(verbose: bool = False) -> str:
     name = _extension_name()
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = os.path.join(root, name)
+    library = os.path.join(build_dir, name + ".so")
+    # Built already, and no build in progress (torch's lock file): load it as it is.
+    if os.path.exists(library) and not os.path.exists(os.path.join(build_dir, "lock")) \
+            and not verbose:
+        torch.ops.load_library(library)
+        return _finish_loading(library)
+    problem = _toolkit_problem(cpp_extension.CUDA_HOME)
+    if problem:
+        raise RuntimeError(f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: "
+                           f"{problem}. Set CUDA_HOME to the toolkit's folder (the one with "
+                           "bin/nvcc and lib64/libcudart.so). CPU tensors do not need it.")
+    if _unwritable(build_dir):
+        raise RuntimeError(f"fused_triplet: cannot write the build folder {build_dir}: set "
+                           "TORCH_EXTENSIONS_DIR to a writable folder")
     os.makedirs(build_dir, exist_ok=True)
-    if not os.path.exists(os.path.join(build_dir, name + ".so")):
+    if not os.path.exists(library):
         print(f"fused_triplet: compiling the CUDA kernels into {build_dir} "
               "(once per source change, about a minute)...", file=sys.stderr, flush=True)
     path = cpp_extension.load_inline(
@@ -107,6 +143,11 @@ def build(verbose: bool = False) -> str:
         is_python_module=False,
         verbose=verbose,
     )
+    return _finish_loading(path)
+
+
+def _finish_loading(path: str) -> str:
+    global _library_path
     _register_python_parts()
     _library_path = path
     return path

@@ -295,6 +295,21 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(a, p, n), ft.triplet_margin_loss(a, p, n, swap=True))
 
 
+def test_first_call_inside_torch_compile_fullgraph():
+    """A fresh process whose first fused call is being traced by torch.compile(fullgraph=True)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import torch, fused_triplet as ft\n"
+            "x = [torch.rand(64, 256, device='cuda') for _ in range(3)]\n"
+            "f = torch.compile(lambda *t: ft.triplet_margin_loss(*t), fullgraph=True)\n"
+            "assert torch.allclose(f(*x), torch.nn.TripletMarginLoss()(*x), rtol=1e-5, atol=1e-5)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_module_and_model_new_on_cuda():
     a, p, n = rand_triplet((256, 1024), device=DEV, seed=24)
     for kw in (dict(), dict(margin=0.2, p=1, swap=True, reduction="sum")):

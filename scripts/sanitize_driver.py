@@ -1,0 +1,29 @@
+"""A small run of every kernel family, for compute-sanitizer (scripts/sanitize.sh).
+
+Forward: teams of 8, 32 and 256 threads, the bulk-copy kernel, the scalar (unaligned) path,
+every norm kind, swap, each reduction; backward for the same (through the fused op directly
+until the public API routes gradients to it).
+"""
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fused_triplet as ft  # noqa: E402
+
+torch.manual_seed(0)
+shapes = [(37, 3), (64, 257), (9, 3000), (4, 8192), (3, 20000)]
+for shape in shapes:
+    for offset in (0, 1):  # 1: misaligned storage, the scalar path
+        base = [torch.rand(shape[0] * shape[1] + offset, device="cuda") for _ in range(3)]
+        a, p, n = (x[offset:].view(shape) for x in base)
+        for pnorm in (2.0, 1.0, math.inf, 3.0):
+            for swap in (False, True):
+                for reduction in ("none", "mean", "sum"):
+                    ft.triplet_margin_loss(a, p, n, p=pnorm, swap=swap, reduction=reduction)
+                xs = [x.detach().requires_grad_() for x in (a, p, n)]  # same offsets
+                ft._fused_triplet_margin_loss(*xs, shape, 1.0, pnorm, 1e-6, swap, 1).backward()
+torch.cuda.synchronize()
+print("sanitize driver: done")

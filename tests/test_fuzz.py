@@ -1,0 +1,130 @@
+"""Seeded fuzz of the public API against torch and a float64 reference.
+
+Shapes (B = 0 and 1, D = 1 and odd), layouts (row-stride views, storage offsets, broadcast rows,
+column-major), dtypes and every option. The default run is quick; for the long run:
+
+    FUSED_TRIPLET_FUZZ_CASES=10000 python -m pytest tests/test_fuzz.py -q
+"""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fused_triplet as ft
+from conftest import HAS_CUDA
+
+CASES = int(os.environ.get("FUSED_TRIPLET_FUZZ_CASES", "300"))
+# Per-sample loss tolerance, relative to 1 + the distances involved (the loss is a difference of
+# distances, so rounding scales with them).
+TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def make_case(rng: random.Random, device: str):
+    batch = rng.choice([0, 1, 2, 3, 7, 33, 100, 257])
+    dim = rng.choice([1, 2, 3, 4, 5, 8, 31, 64, 100, 257, 1000, 2048, 4100])
+    dtype = rng.choice([torch.float32, torch.float32, torch.float16, torch.bfloat16, torch.float64])
+    opts = dict(margin=rng.choice([0.1, 1.0, 3.0]), eps=rng.choice([0.0, 1e-6, 1e-2]),
+                p=rng.choice([2.0, 2.0, 1.0, math.inf, -math.inf, 0.0, 3.0, 1.5, 0.5]),
+                swap=rng.random() < 0.5, reduction=rng.choice(["none", "mean", "sum"]))
+    g = torch.Generator(device=device).manual_seed(rng.randrange(1 << 30))
+
+    def tensor():
+        layout = rng.choice(["contiguous", "contiguous", "row_stride", "offset", "broadcast",
+                             "column_major"])
+        scale = rng.choice([1.0, 1.0, 0.01, 10.0])
+        if layout == "row_stride":
+            x = torch.rand(batch, dim + rng.choice([1, 3, 4, 8]), generator=g, device=device)[:, :dim]
+        elif layout == "offset":
+            off = rng.choice([1, 2, 3])
+            x = torch.rand(batch * dim + off, generator=g, device=device)[off:].view(batch, dim)
+        elif layout == "broadcast" and batch > 0:
+            x = torch.rand(1, dim, generator=g, device=device)
+        elif layout == "column_major":
+            x = torch.rand(dim, batch, generator=g, device=device).t()
+        else:
+            x = torch.rand(batch, dim, generator=g, device=device)
+        return (x * scale).to(dtype)
+
+    return (tensor(), tensor(), tensor()), opts
+
+
+def fp64_bound(a, p, n, opts):
+    a, p, n = a.double(), p.double(), n.double()
+    d = [ft._pairwise_distance(x, y, opts["p"], opts["eps"]) for x, y in ((a, p), (a, n), (p, n))]
+    losses = ft._torch_triplet_margin_loss(a, p, n, opts["margin"], opts["p"], opts["eps"],
+                                           opts["swap"], 0)
+    scale = 1 + sum(x.abs() for x in d)
+    return losses, scale
+
+
+def check_forward(inputs, opts):
+    ours = ft.triplet_margin_loss(*inputs, **opts)
+    theirs = F.triplet_margin_loss(*inputs, **opts)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    if ours.device.type == "cpu":
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+        return
+    ref, scale = fp64_bound(*inputs, opts)
+    tol = TOL[ours.dtype] * scale
+    if opts["reduction"] == "mean":
+        ref, tol = ref.mean(), tol.mean()
+    elif opts["reduction"] == "sum":
+        ref, tol = ref.sum(), tol.sum()
+    err = (ours.double() - ref).abs()
+    assert bool((err <= tol).all() | (ref.isnan() & ours.isnan())), (err / tol).max()
+
+
+def check_backward(inputs, opts):
+    """fp32/fp64, differentiable p: gradients against float64 autograd, on rows whose hinge is
+    decisively on or off (a hinge within rounding of 0 may legitimately go either way)."""
+    if inputs[0].dtype not in (torch.float32, torch.float64) or opts["p"] in (0.0, -math.inf):
+        return
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = ft.triplet_margin_loss(*xs, **opts)
+    out.sum().backward()
+    refs = [x.detach().double().requires_grad_() for x in inputs]
+    F.triplet_margin_loss(*refs, **opts).sum().backward()
+    _, scale = fp64_bound(*inputs, {**opts, "reduction": "none"})
+    a64, p64, n64 = (x.detach().double() for x in inputs)
+    d_ap = ft._pairwise_distance(a64, p64, opts["p"], opts["eps"])
+    d_an = ft._pairwise_distance(a64, n64, opts["p"], opts["eps"])
+    if opts["swap"]:
+        d_an = d_an.minimum(ft._pairwise_distance(p64, n64, opts["p"], opts["eps"]))
+    decisive = ((opts["margin"] + d_ap - d_an).abs() > 1e-3 * scale).reshape(-1)
+    tol = 1e-4 if inputs[0].dtype == torch.float32 else 1e-9
+    for x, r in zip(xs, refs):
+        g, rg = x.grad.double(), r.grad
+        if g.shape[0] == decisive.numel():
+            g, rg = g[decisive], rg[decisive]
+        elif not decisive.all():
+            continue  # a broadcast row sums every row's gradient, ambiguous ones included
+        atol = tol * max(1.0, rg.abs().max().item() if rg.numel() else 1.0)
+        torch.testing.assert_close(g, rg, rtol=tol, atol=atol)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU visible"))])
+def test_fuzz_forward_and_backward(device):
+    rng = random.Random(1234)
+    failures = []
+    for case in range(CASES if device == "cuda" else min(CASES, 200)):
+        inputs, opts = make_case(rng, device)
+        for check in (check_forward, check_backward):
+            try_it = _guard(check, inputs, opts)
+            if try_it is not None:
+                failures.append((case, check.__name__, [tuple(x.shape) for x in inputs],
+                                 [x.stride() for x in inputs], inputs[0].dtype, opts, try_it))
+    assert not failures, f"{len(failures)} of {CASES} cases failed; first: {failures[:3]}"
+
+
+def _guard(check, inputs, opts):
+    """Runs one check; returns its failure message, None if it passed (collects them all)."""
+    try:
+        check(inputs, opts)
+    except AssertionError as e:
+        return str(e)[:300]
+    return None
