@@ -148,8 +148,9 @@ def build(verbose: bool = False) -> str:
 
 def _finish_loading(path: str) -> str:
     global _library_path
-    _register_python_parts()
-    _library_path = path
+    if _library_path is None:  # set first: a concurrent first call must not register twice
+        _library_path = path
+        _register_python_parts()
     return path
 
 

@@ -26,17 +26,24 @@ def build_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def build_log(build_env):
+def build_log(build_env, tmp_path_factory):
     """Two processes build at once into one empty extension dir (a scratch one): both must
     succeed (torch's lock file serialises them). In subprocesses, since loading the library
-    registers the fused_triplet op namespace, which a process can do only once."""
-    builders = [subprocess.Popen([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--build"],
-                                 cwd=ROOT, env=build_env, text=True, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE) for _ in range(2)]
+    registers the fused_triplet op namespace, which a process can do only once. Their output
+    goes to files: a full pipe would block the builder the other one waits for."""
+    logs_dir = tmp_path_factory.mktemp("logs")
+    builders = []
+    for k in range(2):
+        log = open(logs_dir / f"build{k}.log", "w")
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--build"],
+                                cwd=ROOT, env=build_env, text=True, stdout=log,
+                                stderr=subprocess.STDOUT)
+        builders.append((proc, log, logs_dir / f"build{k}.log"))
     logs = []
-    for proc in builders:
-        out, err = proc.communicate(timeout=1800)
-        logs.append(err + out)  # stderr: the first-build notice; stdout: ninja, the path
+    for proc, log, path in builders:
+        proc.wait(timeout=1800)
+        log.close()
+        logs.append(path.read_text())  # the first-build notice, ninja's output, the path
         assert proc.returncode == 0, logs[-1][-6000:]
     return max(logs, key=len)  # the one that compiled
 
