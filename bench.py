@@ -3,11 +3,14 @@
     python bench.py                       # KernelBench level 1 problem 99: (32768, 8192) fp32
     python bench.py --shapes 4096x512,16x4194304 --dtypes fp32,bf16 --json results.json
     python bench.py --backward            # forward + backward, effective TB/s over 9 x input bytes
+    python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # issue 4's shapes
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
 flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. A
 fresh torch.compile per shape (torch._dynamo.reset()), so recompile limits never silently fall
 back to eager. Effective TB/s = bytes that must move (each input read once) / median time.
+Cases under 16 MiB of input also get a per-call time: back-to-back calls (no flush) over enough
+rotated input sets to exceed the L2, so launch and Python overhead count as users see them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import fused_triplet
 PEAK_TBPS = 4.8  # H200 HBM3e datasheet
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 DEFAULT_SHAPES = "32768x8192"
+SWEEP_SHAPES = "1024x128,4096x512,128x4096,262144x256,65536x1024,32768x8192,16x4194304,4x16777216"
+SMALL_BYTES = 16 << 20
 
 
 def parse_shapes(text: str):
@@ -60,6 +65,32 @@ def time_interleaved(fns: dict, args, rounds: int, warmup: int):
     return {name: [s.elapsed_time(e) for s, e in pairs] for name, pairs in events.items()}
 
 
+def time_back_to_back(fn, input_sets, calls=200, repeats=3):
+    """Median over `repeats` of (events around `calls` back-to-back calls) / calls, in ms."""
+    results = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(calls):
+            fn(*input_sets[i % len(input_sets)])
+        end.record()
+        torch.cuda.synchronize()
+        results.append(start.elapsed_time(end) / calls)
+    return statistics.median(results)
+
+
+def per_call_times(fns, inputs):
+    """{name: per-call ms} for a case under SMALL_BYTES of input, else None."""
+    nbytes = sum(x.numel() * x.element_size() for x in inputs)
+    if nbytes >= SMALL_BYTES:
+        return None
+    copies = min(63, 2 * torch.cuda.get_device_properties(0).L2_cache_size // nbytes)
+    sets = [inputs] + [[x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+                       for _ in range(copies)]
+    return {name: time_back_to_back(fn, sets) for name, fn in fns.items()}
+
+
 def bench_forward(shape, dtype, rounds, warmup, margin=1.0):
     inputs = make_inputs(shape, dtype)
     eager = torch.nn.TripletMarginLoss(margin=margin)
@@ -70,12 +101,13 @@ def bench_forward(shape, dtype, rounds, warmup, margin=1.0):
     with torch.no_grad():
         results = {name: fn(*inputs) for name, fn in fns.items()}
         times = time_interleaved(fns, inputs, rounds, warmup)
+        per_call = per_call_times(fns, inputs)
     bytes_moved = sum(x.numel() * x.element_size() for x in inputs)
     results = {name: [out] for name, out in results.items()}
-    return summarize("forward", shape, dtype, times, results, bytes_moved)
+    return summarize("forward", shape, dtype, times, results, bytes_moved, per_call=per_call)
 
 
-def summarize(mode, shape, dtype, times, results, bytes_moved, extra_bytes=None):
+def summarize(mode, shape, dtype, times, results, bytes_moved, extra_bytes=None, per_call=None):
     """One row per contender (the last is fused_triplet): median time, effective bandwidth,
     speedup of fused_triplet over it, max error of its outputs against eager's."""
     rows = []
@@ -88,6 +120,8 @@ def summarize(mode, shape, dtype, times, results, bytes_moved, extra_bytes=None)
                                            for x, y in zip(results[name], results["eager"]))}
         if extra_bytes is not None:
             row["extra_mib"] = extra_bytes[name] / 2**20
+        if per_call is not None:
+            row["per_call_ms"] = per_call[name]
         rows.append(row)
     for row in rows:
         row["fused_speedup"] = row["median_ms"] / rows[-1]["median_ms"]
@@ -105,26 +139,27 @@ def bench_backward(shape, dtype, rounds, warmup, margin=1.0):
     input_bytes = sum(x.numel() * x.element_size() for x in inputs)
     results, steps, extra = {}, {}, {}
     for name, module in modules.items():
-        def step(module=module):
-            for x in inputs:
+        def step(*xs, module=module):
+            for x in xs:
                 x.grad = None
-            loss = module(*inputs)
+            loss = module(*xs)
             loss.backward()
             return loss
-        step()  # compile / build outside the measurement
+        step(*inputs)  # compile / build outside the measurement
         for x in inputs:
             x.grad = None
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        loss = step()
+        loss = step(*inputs)
         torch.cuda.synchronize()
         extra[name] = torch.cuda.max_memory_allocated() - base - input_bytes
         results[name] = [loss.detach()] + [x.grad for x in inputs]  # step() drops, not reuses, them
         steps[name] = step
-    times = time_interleaved(steps, (), rounds, warmup)
+    times = time_interleaved(steps, inputs, rounds, warmup)
+    per_call = per_call_times(steps, inputs)
     bytes_moved = 3 * input_bytes  # forward reads a, p, n; backward reads them and writes 3 grads
-    return summarize("fwd+bwd", shape, dtype, times, results, bytes_moved, extra)
+    return summarize("fwd+bwd", shape, dtype, times, results, bytes_moved, extra, per_call)
 
 
 def print_table(rows):
@@ -132,14 +167,48 @@ def print_table(rows):
             f"{'% peak':>7} {'fused x':>8} {'max err':>9}")
     if any("extra_mib" in r for r in rows):
         head += f" {'extra MiB':>9}"
+    if any("per_call_ms" in r for r in rows):
+        head += f" {'per-call ms':>11}"
     print(head)
     print("-" * len(head))
     for r in rows:
         shape = "x".join(str(v) for v in r["shape"])
         extra = f" {r['extra_mib']:>9.1f}" if "extra_mib" in r else ""
+        extra += f" {r['per_call_ms']:>11.4f}" if "per_call_ms" in r else ""
         print(f"{shape:>16} {r['dtype']:>8} {r['contender']:>14} {r['median_ms']:>10.4f} "
               f"{r['tbps']:>6.2f} {r['peak_pct']:>6.1f}% {r['fused_speedup']:>7.2f}x "
               f"{r['max_abs_err_vs_eager']:>9.2e}{extra}")
+
+
+def plot(rows, path, gpu_name):
+    """Effective TB/s per case and contender, one panel per (mode, dtype), peak as a line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"bench.py: matplotlib is not installed; no plot written to {path}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["mode"], r["dtype"]) for r in rows})
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for ax, (mode, dtype) in zip(axes[:, 0], panels):
+        sub = [r for r in rows if r["mode"] == mode and r["dtype"] == dtype]
+        cases = list(dict.fromkeys("x".join(map(str, r["shape"])) for r in sub))
+        contenders = list(dict.fromkeys(r["contender"] for r in sub))
+        width = 0.8 / len(contenders)
+        for k, name in enumerate(contenders):
+            values = [next(r["tbps"] for r in sub if r["contender"] == name
+                           and "x".join(map(str, r["shape"])) == c) for c in cases]
+            ax.bar([i + k * width for i in range(len(cases))], values, width, label=name)
+        ax.axhline(PEAK_TBPS, color="k", linestyle="--", linewidth=1, label=f"peak {PEAK_TBPS} TB/s")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], cases, fontsize=8)
+        ax.set_ylabel("effective TB/s")
+        ax.set_title(f"{mode}, {dtype}, {gpu_name}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"bench.py: plot written to {path}")
 
 
 def main(argv=None) -> int:
@@ -150,8 +219,14 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (grads of all inputs), with peak extra memory")
+    parser.add_argument("--sweep", action="store_true",
+                        help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds fwd+bwd)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of effective TB/s per case "
+                        "(needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        args.shapes, args.dtypes = SWEEP_SHAPES, "fp32,bf16"
     if not torch.cuda.is_available():
         print("bench.py: no CUDA GPU visible; nothing to benchmark.")
         return 0
@@ -160,13 +235,24 @@ def main(argv=None) -> int:
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"{datetime.date.today()}; 'fused x' = contender time / fused_triplet time")
     fused_triplet.build()
+    benches = [bench_forward, bench_backward] if (args.sweep and args.backward) else \
+        [bench_backward if args.backward else bench_forward]
     rows = []
-    for dtype_name in args.dtypes.split(","):
-        for shape in parse_shapes(args.shapes):
-            bench = bench_backward if args.backward else bench_forward
-            rows += bench(shape, DTYPES[dtype_name], args.rounds, args.warmup)
-            torch.cuda.empty_cache()
-    print_table(rows)
+    for bench in benches:
+        for dtype_name in args.dtypes.split(","):
+            for shape in parse_shapes(args.shapes):
+                case = bench(shape, DTYPES[dtype_name], args.rounds, args.warmup)
+                rows += case
+                torch.cuda.empty_cache()
+                ours = case[-1]
+                print(f"# {case[0]['mode']} {'x'.join(map(str, shape))} {dtype_name}: fused "
+                      f"{ours['median_ms']:.4f} ms, {ours['tbps']:.2f} TB/s, "
+                      f"{case[0]['fused_speedup']:.2f}x eager, {case[1]['fused_speedup']:.2f}x "
+                      "torch.compile", flush=True)
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        print_table([r for r in rows if r["mode"] == mode])
+    if args.plot:
+        plot(rows, args.plot, props.name)
     if args.json:
         meta = {"gpu": props.name, "torch": torch.__version__, "date": str(datetime.date.today())}
         with open(args.json, "w") as f:
