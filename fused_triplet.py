@@ -117,12 +117,10 @@ def build(verbose: bool = False) -> str:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = os.path.join(root, name)
     library = os.path.join(build_dir, name + ".so")
-    # Built already, and no build in progress (torch's lock file): load it as it is.
-    if os.path.exists(library) and not os.path.exists(os.path.join(build_dir, "lock")) \
-            and not verbose:
+    problem = _toolkit_problem(cpp_extension.CUDA_HOME)
+    if problem and os.path.exists(library):  # built before, by a process that had a toolkit
         torch.ops.load_library(library)
         return _finish_loading(library)
-    problem = _toolkit_problem(cpp_extension.CUDA_HOME)
     if problem:
         raise RuntimeError(f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: "
                            f"{problem}. Set CUDA_HOME to the toolkit's folder (the one with "
