@@ -125,6 +125,9 @@ def build(verbose: bool = False) -> str:
         raise RuntimeError(f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: "
                            f"{problem}. Set CUDA_HOME to the toolkit's folder (the one with "
                            "bin/nvcc and lib64/libcudart.so). CPU tensors do not need it.")
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        raise RuntimeError("fused_triplet: no GPU visible to build for: set TORCH_CUDA_ARCH_LIST "
+                           "(e.g. 9.0 for an H100/H200) to compile anyway")
     if _unwritable(build_dir):
         raise RuntimeError(f"fused_triplet: cannot write the build folder {build_dir}: set "
                            "TORCH_EXTENSIONS_DIR to a writable folder")

@@ -76,7 +76,7 @@ def test_no_toolkit_is_a_clear_error_and_cpu_still_works(tmp_path):
 def test_unwritable_extension_dir_is_a_clear_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(blocker / "ext"))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(blocker / "ext"), TORCH_CUDA_ARCH_LIST="9.0")
     proc = subprocess.run([sys.executable, "-c", "import fused_triplet as f; f.build()"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
@@ -98,3 +98,45 @@ def test_no_spills_and_no_stack(build_log):
     assert len(props) >= len(kernels)
     bad = [p for p in props if p != ("0", "0", "0")]
     assert not bad, f"stack/spills reported by ptxas: {bad}"
+
+
+@needs_nvcc
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: nothing to ask for")
+def test_no_gpu_and_no_arch_list_is_a_clear_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_ARCH_LIST"}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    proc = subprocess.run([sys.executable, "-c", "import fused_triplet as f; f.build()"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "set TORCH_CUDA_ARCH_LIST" in proc.stderr
+
+
+FAKE_CHECK = r"""
+import types, torch, fused_triplet as ft
+from torch._subclasses.fake_tensor import FakeTensorMode
+ft.build()
+with FakeTensorMode():
+    a, p, n = (torch.empty(8, 33, device="cuda") for _ in range(3))
+    for dtype, swap, red in ((torch.float32, True, 1), (torch.float16, False, 0), (torch.float64, True, 2)):
+        x = [t.to(dtype) for t in (a, p, n)]
+        loss, dists = torch.ops.fused_triplet.triplet_margin_loss(*x, 1.0, 2.0, 1e-6, swap, red)
+        assert loss.shape == ((8,) if red == 0 else ()) and loss.dtype == dtype
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        assert dists.shape == (3 if swap else 2, 8) and dists.dtype == acc
+        ctx = types.SimpleNamespace()
+        ctx.save_for_backward = lambda *t: setattr(ctx, "saved_tensors", t)
+        ctx.mark_non_differentiable = lambda *t: None
+        ft._triplet_setup_context(ctx, (*x, 1.0, 2.0, 1e-6, swap, red), (loss, dists))
+        ctx.needs_input_grad = (True, False, True) + (False,) * 5
+        grads = ft._triplet_backward(ctx, torch.empty_like(loss), None)
+        assert len(grads) == 8 and grads[1] is None and all(g is None for g in grads[3:])
+        assert grads[0].shape == (8, 33) and grads[2].dtype == dtype
+print("fake ok")
+"""
+
+
+@needs_nvcc
+def test_fake_kernels_and_autograd_glue(build_log, build_env):
+    """The ops' fake kernels and the Python autograd formula, on fake CUDA tensors (no GPU)."""
+    proc = subprocess.run([sys.executable, "-c", FAKE_CHECK], cwd=ROOT, env=build_env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "fake ok" in proc.stdout, proc.stderr[-3000:]
