@@ -64,8 +64,8 @@ def cuda_source() -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Build: torch.utils.cpp_extension.load_inline, cached under torch's extension dir; the name
-# carries a hash of the sources and flags, so a changed source builds anew and an unchanged one
-# loads the cached library.
+# carries a hash of the sources, the flags and the torch version, so a changed source (or another
+# torch) builds anew and an unchanged one loads the cached library.
 # ---------------------------------------------------------------------------------------------
 
 NVCC_FLAGS = ["-O3", "-lineinfo", "-Xptxas=-v"]
