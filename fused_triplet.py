@@ -194,17 +194,28 @@ def _triplet_setup_context(ctx, inputs, output):
 def _triplet_backward(ctx, grad_loss, _grad_dists):
     anchor, positive, negative, dists = ctx.saved_tensors
     needed = list(ctx.needs_input_grad[:3])
-    grads = torch.ops.fused_triplet.triplet_margin_loss_backward(
-        grad_loss, anchor, positive, negative, dists, *ctx.options, _HINGE_AT_ZERO, needed)
+    if torch.is_grad_enabled():
+        # create_graph=True (double backward): the fused backward kernel is not differentiable,
+        # so differentiate torch's own formula on the saved inputs; its gradients are.
+        inputs = [x for x, need in zip((anchor, positive, negative), needed) if need]
+        with torch.enable_grad():
+            loss = _torch_triplet_margin_loss(anchor, positive, negative, *ctx.options)
+        found = iter(torch.autograd.grad(loss, inputs, grad_loss, create_graph=True))
+        grads = [next(found) if need else None for need in needed]
+    else:
+        grads = torch.ops.fused_triplet.triplet_margin_loss_backward(
+            grad_loss, anchor, positive, negative, dists, *ctx.options, _HINGE_AT_ZERO, needed)
     return tuple(g if need else None for g, need in zip(grads, needed)) + (None,) * 5
 
 
 _HINGE_AT_ZERO = None
+_TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once loaded
 
 
 def _register_python_parts() -> None:
-    global _HINGE_AT_ZERO
+    global _HINGE_AT_ZERO, _TRIPLET_OP
     _HINGE_AT_ZERO = _hinge_passes_at_zero()
+    _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
     torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
     torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
         _triplet_backward_fake)
@@ -301,37 +312,45 @@ def _broadcast_shape(a: tuple, b: tuple):
 def _fused_shape(anchor: Tensor, positive: Tensor, negative: Tensor, p: float):
     """The common shape the fused kernels would compute over, or None if they don't take these
     inputs (the torch path then computes them, or raises torch's own error)."""
-    device = anchor.device
-    if device.type != "cuda" or positive.device != device or negative.device != device:
+    if not anchor.is_cuda:
         return None
-    if anchor.dim() == 0 or not anchor.dim() == positive.dim() == negative.dim():
+    device = anchor.device
+    if positive.device != device or negative.device != device:
         return None
     if not (anchor.dtype in _FUSED_DTYPES and positive.dtype in _FUSED_DTYPES
             and negative.dtype in _FUSED_DTYPES):
         return None
-    # Until the fused backward exists, autograd goes through the torch path.
-    if torch.is_grad_enabled() and (anchor.requires_grad or positive.requires_grad
-                                    or negative.requires_grad):
+    shape = anchor.shape
+    if not shape == positive.shape == negative.shape:
+        if not anchor.dim() == positive.dim() == negative.dim():
+            return None
+        shape = _broadcast_shape(tuple(shape), tuple(positive.shape))
+        shape = shape and _broadcast_shape(shape, tuple(negative.shape))
+        if shape is None:
+            return None
+    if len(shape) == 0 or (shape[-1] == 0 and math.isinf(p)):
         return None
-    shape = _broadcast_shape(tuple(anchor.shape), tuple(positive.shape))
-    shape = shape and _broadcast_shape(shape, tuple(negative.shape))
-    if shape is None or (shape[-1] == 0 and math.isinf(p)):
-        return None
-    return shape
+    return tuple(shape)
 
 
 def _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps, swap, reduction):
-    dtype = torch.promote_types(torch.promote_types(anchor.dtype, positive.dtype), negative.dtype)
-    inputs = []
-    for x in (anchor, positive, negative):
-        if x.dtype != dtype:
-            x = x.to(dtype)
-        if tuple(x.shape) != shape:
-            x = x.expand(shape)  # a view: a broadcast row becomes row stride 0 in the kernel
-        inputs.append(x)
-    loss, _ = _ops().triplet_margin_loss(*inputs, float(margin), float(p), float(eps), bool(swap),
-                                         reduction)
-    return loss
+    inputs = (anchor, positive, negative)
+    if not anchor.dtype == positive.dtype == negative.dtype:
+        dtype = torch.promote_types(torch.promote_types(anchor.dtype, positive.dtype),
+                                    negative.dtype)
+        inputs = tuple(x.to(dtype) for x in inputs)
+    if not anchor.shape == positive.shape == negative.shape:
+        # views: a broadcast row becomes row stride 0 in the kernel
+        inputs = tuple(x.expand(shape) for x in inputs)
+    args = (*inputs, float(margin), float(p), float(eps), bool(swap), reduction)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            anchor.requires_grad or positive.requires_grad or negative.requires_grad)):
+        return _ops().triplet_margin_loss(*args)[0]
+    # No gradient wanted: go straight to the CUDA kernel, past the op's autograd kernel (Python,
+    # torch.library's), which costs more than the kernels themselves on small inputs.
+    op = _TRIPLET_OP if _TRIPLET_OP is not None else _ops().triplet_margin_loss.default
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)[0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ struct BackwardArgs : TripletRows<T> {  // vectorized: input and gradient rows 1
   T* grad_a;  // [rows, dim] contiguous, or null when not needed
   T* grad_p;
   T* grad_n;
+  int64_t splits;       // column slices per row, one block each (1: whole rows)
+  int64_t split_elems;  // elements per slice (a multiple of 16 bytes)
 };
 
 template <typename A>
@@ -99,13 +101,15 @@ __device__ __forceinline__ RowGrad<acc_t<T>> row_grad(const BackwardArgs<T>& arg
   return r;
 }
 
+constexpr int kBackwardUnroll = 4;
+
 template <typename T, NormKind K, int TPR, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_backward_kernel(const BackwardArgs<T> args) {
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   // As forward: 4 packs per input in flight, 1 for general p (pow calls would spill).
-  constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;
+  constexpr int kUnroll = K == NormKind::kOther ? 1 : kBackwardUnroll;
   constexpr int kRowsPerBlock = kBlockThreads / TPR;
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 
@@ -116,9 +120,13 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int team = threadIdx.x / TPR;
   const int lane = threadIdx.x % TPR;
 
-  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < args.rows;
-       base += int64_t(gridDim.x) * kRowsPerBlock) {
-    const int64_t row = base + team;
+  // Work units: a group of kRowsPerBlock rows, or with split rows (TPR = block) one column slice
+  // of one row. Block-uniform bounds.
+  const int64_t units = (args.rows + kRowsPerBlock - 1) / kRowsPerBlock * args.splits;
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int64_t row = unit / args.splits * kRowsPerBlock + team;
+    const int64_t first = unit % args.splits * args.split_elems;  // this unit's columns
+    const int64_t len = min(args.split_elems, args.dim - first);
     const bool live = row < args.rows;
     const int64_t r = live ? row : 0;
     const RowGrad<A> rg = row_grad<T, SWAP>(args, r);
@@ -129,6 +137,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
     RowSums<A> ties{A(1), A(1), A(1)};
     if (inf_norm) {  // block-uniform: every thread reaches team_reduce's barriers
+      // The whole row, also when this unit is one slice of it: ties are a row property.
       RowSums<A> c{A(0), A(0), A(0)};
       for (int64_t i = lane; live && i < args.dim; i += TPR) {
         const A xa = to_acc<A>(a[i]), xp = to_acc<A>(p[i]), xn = to_acc<A>(n[i]);
@@ -152,7 +161,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     const A c_ap = norm_grad_scale<A, K>(prm, rg.g_ap, rg.d_ap, ties.ap);
     const A c_an = norm_grad_scale<A, K>(prm, rg.g_an, rg.d_an, ties.an);
     const A c_pn = SWAP ? norm_grad_scale<A, K>(prm, rg.g_pn, rg.d_pn, ties.pn) : A(0);
-    const int64_t out_row = row * args.dim;
+    const int64_t out_row = row * args.dim + first;
+    a += first;
+    p += first;
+    n += first;
 
     // Gradients of one element of each input.
     auto grads = [&](A xa, A xp, A xn, A& ga, A& gp, A& gn) {
@@ -166,7 +178,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
     int64_t i = lane;  // scalar element index for the tail / unaligned path
     if (args.vectorized) {
-      const int64_t packs = args.dim / kVec;
+      const int64_t packs = len / kVec;
       for (int64_t v0 = lane; v0 < packs; v0 += int64_t(kUnroll) * TPR) {
         Pack<T> pa[kUnroll], pp[kUnroll], pn[kUnroll];
 #pragma unroll
@@ -199,7 +211,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
       i = packs * kVec + lane;
     }
-    for (; i < args.dim; i += TPR) {
+    for (; i < len; i += TPR) {
       A ga, gp, gn;
       grads(to_acc<A>(a[i]), to_acc<A>(p[i]), to_acc<A>(n[i]), ga, gp, gn);
       if (args.grad_a != nullptr) args.grad_a[out_row + i] = static_cast<T>(ga);
@@ -263,6 +275,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
     args.grad_a = output_mask[0] ? out[0].mutable_data_ptr<scalar_t>() : nullptr;
     args.grad_p = output_mask[1] ? out[1].mutable_data_ptr<scalar_t>() : nullptr;
     args.grad_n = output_mask[2] ? out[2].mutable_data_ptr<scalar_t>() : nullptr;
+    args.splits = cfg.splits;
+    args.split_elems = cfg.split_elems;
     dispatch_row_kernel(norm_kind(p), cfg.threads_per_row, swap, [&](auto kind, auto tpr, auto sw) {
       triplet_backward_kernel<scalar_t, decltype(kind)::value, decltype(tpr)::value,
                               decltype(sw)::value><<<cfg.grid, kBlockThreads, 0, stream>>>(args);

@@ -249,7 +249,19 @@ __device__ __forceinline__ A block_sum(A v, A* smem) {
 struct RowConfig {
   int threads_per_row;  // TPR: threads cooperating on one row
   int64_t grid;         // blocks
+  int64_t splits;       // column slices per row, one block each (1: whole rows)
+  int64_t split_elems;  // elements per slice
 };
+
+// Splitting rows: a whole-row block per row leaves the GPU idle when rows are few (16 rows of
+// 4M fp32 ran at 0.5 TB/s), so rows fewer than kFillBlocks / 2 are cut into column slices.
+//   kFillBlocks = 1024 blocks of 256 threads fill an H100/H200-class GPU (132 SMs x up to 8
+//   resident blocks) with a tail to balance. A constant of the shape, not of the SM count: a
+//   shape gets the same slices, so the same bits, on every GPU.
+//   Slices of at least kMinSliceBytes = 32 KiB per input (32 x 16-byte packs per thread of
+//   each input, 4 iterations of the unrolled loop): shorter rows are not worth a second pass.
+constexpr int64_t kFillBlocks = 1024;
+constexpr int64_t kMinSliceBytes = 32 * 1024;
 
 inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size) {
   const int64_t packs = (dim * elem_size + kVecBytes - 1) / kVecBytes;
@@ -263,6 +275,20 @@ inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size)
   // One block per row group (the hardware balances the tail); past 2^20 blocks the grid-stride
   // loop takes over, which also bounds the per-block partial-sum buffer.
   cfg.grid = std::min<int64_t>(row_groups, int64_t(1) << 20);
+  cfg.splits = 1;
+  cfg.split_elems = dim;
+  if (cfg.threads_per_row == kBlockThreads && rows < kFillBlocks / 2) {
+    const int64_t row_bytes = dim * elem_size;
+    const int64_t want = (kFillBlocks + rows - 1) / rows;  // slices per row to fill the GPU
+    int64_t slice_bytes = std::max(kMinSliceBytes, (row_bytes + want - 1) / want);
+    slice_bytes = (slice_bytes + kVecBytes - 1) / kVecBytes * kVecBytes;  // slices stay aligned
+    const int64_t splits = (row_bytes + slice_bytes - 1) / slice_bytes;
+    if (splits > 1) {
+      cfg.splits = splits;
+      cfg.split_elems = slice_bytes / elem_size;
+      cfg.grid = std::min<int64_t>(rows * splits, int64_t(1) << 20);
+    }
+  }
   return cfg;
 }
 

@@ -1,9 +1,11 @@
 // Forward: one pass over anchor, positive and negative.
 //
-// Two kernels compute the same rows: triplet_forward_bulk_kernel for long rows that are 16-byte
+// Three kernels compute the same rows: triplet_forward_bulk_kernel for long rows that are 16-byte
 // aligned (sm_90 copy engine into shared memory; 0.717 ms against 0.747 ms for register loads at
 // (32768, 8192) fp32 on the H200, see scripts/variants.py), triplet_forward_kernel for the rest
-// (teams of 8, 32 or 256 threads per row, 128-bit register loads, or scalar loads if unaligned).
+// (teams of 8, 32 or 256 threads per row, 128-bit register loads, or scalar loads if unaligned),
+// and, when there are too few rows to fill the GPU, triplet_forward_split_kernel: each row split
+// into column slices, one block each, whose partial sums finish_split_rows_kernel combines.
 //
 // Each row i gives d(a_i, p_i), d(a_i, n_i) (and with swap d(p_i, n_i)), where
 // d(x, y) = ||x - y + eps||_p, then loss_i = max(margin + d_ap - min(d_an, d_pn), 0).
@@ -20,6 +22,9 @@ struct ForwardArgs : TripletRows<T> {
   T* loss_rows;           // [rows] loss in the input dtype (reduction 'none'), or null
   acc_t<T>* block_sums;   // [gridDim.x] sum of the block's row losses ('mean'/'sum'), or null
   acc_t<T>* dists;        // [2 or 3, rows]: d_ap, d_an (, d_pn with swap)
+  acc_t<T>* partials;     // split rows: [3, rows * splits] per-slice norm partial sums
+  int64_t splits;         // column slices per row (1: rows are not split)
+  int64_t split_elems;    // elements per slice (a multiple of 16 bytes)
 };
 
 // Accumulates one element of each difference (x - y + eps, as torch computes it).
@@ -227,6 +232,61 @@ __global__ void __launch_bounds__(kBlockThreads)
 #endif
 }
 
+// Few long rows: block b computes slice b % splits of row b / splits (the same code as one
+// row of triplet_forward_kernel, on a column range) and writes its three partial sums.
+template <typename T, NormKind K, bool SWAP>
+__global__ void __launch_bounds__(kBlockThreads)
+    triplet_forward_split_kernel(const ForwardArgs<T> args) {
+  using A = acc_t<T>;
+  __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
+  const Norm<A, K> norm{args.norm};
+  const int64_t slices = args.rows * args.splits;
+  for (int64_t b = blockIdx.x; b < slices; b += gridDim.x) {  // block-uniform bounds
+    const int64_t row = b / args.splits;
+    const int64_t first = (b % args.splits) * args.split_elems;
+    ForwardArgs<T> slice = args;  // columns [first, first + split_elems) of every row
+    slice.a += first;
+    slice.p += first;
+    slice.n += first;
+    slice.dim = min(args.split_elems, args.dim - first);
+    RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
+    accumulate_row<T, K, kBlockThreads, SWAP>(slice, row, threadIdx.x, norm, s);
+    s = team_reduce<kBlockThreads>(s, norm, smem_rows);
+    if (threadIdx.x == 0) {
+      args.partials[b] = s.ap;
+      args.partials[slices + b] = s.an;
+      args.partials[2 * slices + b] = s.pn;
+    }
+  }
+}
+
+// Combines each split row's slices in order (deterministic), then distances, losses and, for
+// 'mean'/'sum', their sum in fp64 divided by `divisor` into out[0]. One block: split rows are few.
+template <typename T, NormKind K, bool SWAP>
+__global__ void __launch_bounds__(kBlockThreads)
+    finish_split_rows_kernel(const ForwardArgs<T> args, double divisor, T* __restrict__ out) {
+  using A = acc_t<T>;
+  __shared__ double smem[kBlockThreads / 32];
+  const Norm<A, K> norm{args.norm};
+  const int64_t slices = args.rows * args.splits;
+  double loss_sum = 0.0;
+  for (int64_t row = threadIdx.x; row < args.rows; row += kBlockThreads) {
+    RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
+    for (int64_t at = row * args.splits; at < (row + 1) * args.splits; ++at) {
+      s.ap = norm.combine(s.ap, args.partials[at]);
+      s.an = norm.combine(s.an, args.partials[slices + at]);
+      s.pn = norm.combine(s.pn, args.partials[2 * slices + at]);
+    }
+    A row_loss = A(0);
+    finish_row<SWAP>(args, norm, s, row, row_loss);
+    loss_sum += static_cast<double>(row_loss);
+  }
+  if (out != nullptr) {  // uniform: every thread reaches block_sum's barrier
+    loss_sum = block_sum<kBlockThreads>(loss_sum, smem);
+    if (threadIdx.x == 0) out[0] = static_cast<T>(loss_sum / divisor);
+  }
+}
+
 // Adds the per-block sums in a fixed order (fp64), divides by `divisor` (rows for 'mean',
 // 1 for 'sum') and writes the scalar in the output dtype. One block: the partials are few.
 constexpr int kSumThreads = 1024;
@@ -289,9 +349,14 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
                                         anchor.get_device()));
   const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
   const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, cc_major);
-  at::Tensor block_sums;
-  if (reduction != kNone) block_sums = at::empty({cfg.grid}, opts.dtype(acc_dtype));
+  at::Tensor block_sums, partials;
+  if (cfg.splits > 1) {
+    partials = at::empty({3, rows * cfg.splits}, opts.dtype(acc_dtype));
+  } else if (reduction != kNone) {
+    block_sums = at::empty({cfg.grid}, opts.dtype(acc_dtype));
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const double divisor = reduction == kMean ? static_cast<double>(rows) : 1.0;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fused_triplet_forward", [&] {
     using A = acc_t<scalar_t>;
@@ -299,13 +364,24 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
     static_cast<TripletRows<scalar_t>&>(args) =
         make_triplet_rows<scalar_t>(a, pos, neg, vectorized, margin, eps, p);
     args.loss_rows = reduction == kNone ? loss.mutable_data_ptr<scalar_t>() : nullptr;
-    args.block_sums = reduction == kNone ? nullptr : block_sums.mutable_data_ptr<A>();
+    args.block_sums = block_sums.defined() ? block_sums.mutable_data_ptr<A>() : nullptr;
     args.dists = dists.mutable_data_ptr<A>();
+    args.partials = partials.defined() ? partials.mutable_data_ptr<A>() : nullptr;
+    args.splits = cfg.splits;
+    args.split_elems = cfg.split_elems;
     dispatch_row_kernel(norm_kind(p), cfg.threads_per_row, swap, [&](auto kind, auto tpr, auto sw) {
       constexpr NormKind K = decltype(kind)::value;
       constexpr int TPR = decltype(tpr)::value;
       constexpr bool SWAP = decltype(sw)::value;
       if constexpr (TPR == kBlockThreads) {
+        if (cfg.splits > 1) {  // two launches whatever the reduction
+          triplet_forward_split_kernel<scalar_t, K, SWAP><<<cfg.grid, kBlockThreads, 0, stream>>>(
+              args);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          finish_split_rows_kernel<scalar_t, K, SWAP><<<1, kBlockThreads, 0, stream>>>(
+              args, divisor, reduction == kNone ? nullptr : loss.mutable_data_ptr<scalar_t>());
+          return;
+        }
         if (bulk) {
           const auto kernel = triplet_forward_bulk_kernel<scalar_t, K, SWAP>;
           C10_CUDA_CHECK(cudaFuncSetAttribute(
@@ -317,8 +393,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
       triplet_forward_kernel<scalar_t, K, TPR, SWAP><<<cfg.grid, kBlockThreads, 0, stream>>>(args);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (reduction != kNone) {
-      const double divisor = reduction == kMean ? static_cast<double>(rows) : 1.0;
+    if (reduction != kNone && cfg.splits == 1) {
       sum_partials_kernel<scalar_t, A><<<1, kSumThreads, 0, stream>>>(
           args.block_sums, cfg.grid, divisor, loss.mutable_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -1,8 +1,8 @@
 """A small run of every kernel family, for compute-sanitizer (scripts/sanitize.sh).
 
-Forward: teams of 8, 32 and 256 threads, the bulk-copy kernel, the scalar (unaligned) path,
-every norm kind, swap, each reduction; backward for the same (through the fused op directly
-until the public API routes gradients to it).
+Forward: teams of 8, 32 and 256 threads, the bulk-copy kernel (4 x 8192), split rows and their
+combining kernel (3 x 20000), the scalar (unaligned) path, every norm kind, swap, each
+reduction; backward for the same.
 """
 import math
 import os
@@ -24,6 +24,6 @@ for shape in shapes:
                 for reduction in ("none", "mean", "sum"):
                     ft.triplet_margin_loss(a, p, n, p=pnorm, swap=swap, reduction=reduction)
                 xs = [x.detach().requires_grad_() for x in (a, p, n)]  # same offsets
-                ft._fused_triplet_margin_loss(*xs, shape, 1.0, pnorm, 1e-6, swap, 1).backward()
+                ft.triplet_margin_loss(*xs, p=pnorm, swap=swap).backward()
 torch.cuda.synchronize()
 print("sanitize driver: done")

@@ -2,7 +2,7 @@
 built in parallel (one process each: the op namespace can be registered once per process), then
 timed one after another on the GPU against torch.compile. A tuning aid, not part of the library.
 
-    python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b]
+    python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b] [--backward]
 """
 
 import argparse
@@ -24,6 +24,8 @@ BLOCK = "constexpr int kBlockThreads = 256;"
 BULK = "return cc_major >= 9 &&"
 STAGES = "constexpr int kBulkStages = 4;"
 CHUNK = "constexpr int kBulkChunkBytes = 8192;"
+BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
+BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 
 VARIANTS = {
     "base": [],
@@ -36,6 +38,15 @@ VARIANTS = {
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
     "bulk_8k_x6": [(STAGES, STAGES.replace("4", "6"))],
     "bulk_16k_x4": [(CHUNK, CHUNK.replace("8192", "16384"))],
+    # backward (time with --backward)
+    "bwd_minblocks3": [(BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 3)"))],
+    "bwd_minblocks4": [(BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
+    "bwd_unroll2": [(BWD_UNROLL, BWD_UNROLL.replace("4", "2"))],
+    "bwd_unroll2_minblocks4": [
+        (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
+        (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
+    "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
+                          "*reinterpret_cast<uint4*>(ptr) = raw;")],
 }
 
 
@@ -50,7 +61,7 @@ def apply(name):
     return ft
 
 
-def time_one(name, shape, dtype_name, rounds=50):
+def time_one(name, shape, dtype_name, backward=False, rounds=50):
     import torch
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     torch.manual_seed(0)
@@ -61,6 +72,14 @@ def time_one(name, shape, dtype_name, rounds=50):
         fn = torch.compile(torch.nn.TripletMarginLoss())
     else:
         fn = apply(name).ModelNew(1.0)
+    if backward:  # forward + backward, grads of all three inputs
+        loss_fn = fn
+        a, p, n = (x.requires_grad_() for x in (a, p, n))
+
+        def fn(a, p, n):
+            loss = loss_fn(a, p, n)
+            loss.backward()
+            return loss.detach()
     ref = torch.nn.TripletMarginLoss()(a, p, n)
     out = fn(a, p, n)
     err = (out.double() - ref.double()).abs().item()
@@ -77,7 +96,7 @@ def time_one(name, shape, dtype_name, rounds=50):
         times.append((s, e))
     torch.cuda.synchronize()
     ms = statistics.median(x.elapsed_time(y) for x, y in times)
-    nbytes = 3 * a.numel() * a.element_size()
+    nbytes = (9 if backward else 3) * a.numel() * a.element_size()
     print(f"{name:>18} {ms:8.4f} ms {nbytes / ms / 1e9:6.3f} TB/s  err {err:.1e}", flush=True)
 
 
@@ -86,6 +105,7 @@ def main():
     parser.add_argument("--shape", default="32768x8192")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--only", default="")
+    parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "NAME"))
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split("x"))
@@ -94,10 +114,11 @@ def main():
         if mode == "build":
             apply(name)
         else:
-            time_one(name, shape, args.dtype)
+            time_one(name, shape, args.dtype, args.backward)
         return
     names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
     me = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--dtype", args.dtype]
+    me += ["--backward"] if args.backward else []
     builds = [subprocess.Popen(me + ["--child", "build", n], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True) for n in names]
     for n, proc in zip(names, builds):

@@ -31,3 +31,31 @@ def rand_triplet(shape, dtype=torch.float32, device="cpu", seed=0):
     p = torch.rand(shape, generator=g, device=device, dtype=torch.float32)
     n = torch.rand(shape, generator=g, device=device, dtype=torch.float32)
     return a.to(dtype), p.to(dtype), n.to(dtype)
+
+
+
+def distance_scale(a, p, n, pnorm=2.0, eps=1e-6, swap=False):
+    """Per-sample 1 + the float64 distances a loss is made of: the loss is their difference, so
+    its fp32 rounding error scales with them, not with the loss."""
+    import fused_triplet as ft
+    a, p, n = a.double(), p.double(), n.double()
+    pairs = ((a, p), (a, n), (p, n)) if swap else ((a, p), (a, n))
+    return 1 + sum(ft._pairwise_distance(x, y, pnorm, eps).abs() for x, y in pairs)
+
+
+def assert_as_accurate_as_torch(ours, theirs, ref, scale=None, slack=2.0, floor=1e-6):
+    """`ours` against a float64 reference `ref`: NaN and inf exactly where torch's result
+    (`theirs`) has them; elsewhere a max abs error at most `slack` x torch's own, or `floor` x
+    the magnitude the rounding scales with (`scale`, default |ref|): a few ulps, where summation
+    order alone decides which of two fp32 results is closer."""
+    o, t, r = ours.double(), theirs.double(), ref.double()
+    assert torch.equal(o.isnan(), t.isnan()) and torch.equal(o.isinf(), t.isinf())
+    assert torch.equal(o[o.isinf()], t[t.isinf()])
+    finite = o.isfinite() & r.isfinite()
+    if not finite.any():
+        return
+    scale = r.abs() if scale is None else scale.double().expand_as(r)
+    err_ours = (o - r)[finite].abs().max().item()
+    err_torch = (t - r)[finite].abs().max().item()
+    bound = slack * err_torch + floor * scale[finite].max().item()
+    assert err_ours <= bound, (err_ours, err_torch, bound)

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import fused_triplet as ft
-from conftest import HAS_CUDA, rand_triplet, requires_cuda, same_error
+from conftest import (HAS_CUDA, assert_as_accurate_as_torch, distance_scale, rand_triplet,
+                      requires_cuda, same_error)
 
 pytestmark = requires_cuda
 DEV = "cuda"
@@ -70,6 +71,36 @@ def test_every_p(pnorm, swap, shape):
         assert ((ours - ref).abs() <= bound).all(), ((ours - ref).abs() / bound).max()
         theirs = F.triplet_margin_loss(a, p, n, **kw).double()
         assert ((ours - theirs).abs() <= 2 * bound).all(), ((ours - theirs).abs() / bound).max()
+
+
+# Fewer than 512 rows of more than 32 KiB: rows cut into column slices, one block each, then a
+# second kernel combining them (16-byte aligned rows, odd rows on the scalar path, one row).
+SPLIT_SHAPES = [(4, 65536), (300, 9000), (3, 100003), (1, 1 << 20)]
+
+
+@pytest.mark.parametrize("shape", SPLIT_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pnorm", [2.0, 1.0, math.inf, 3.0])
+def test_split_rows(shape, dtype, pnorm):
+    a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=31)
+    for swap in (False, True):
+        kw = dict(p=pnorm, swap=swap)
+        ref = fp64_losses(a, p, n, 1.0, pnorm, 1e-6, swap)
+        sc = distance_scale(a, p, n, pnorm, 1e-6, swap)
+        for red, r, rs in (("none", ref, sc), ("mean", ref.mean(), sc.mean()),
+                           ("sum", ref.sum(), sc.sum())):
+            ours = fused(a, p, n, reduction=red, **kw)
+            assert ours.dtype == dtype
+            assert_as_accurate_as_torch(ours, F.triplet_margin_loss(a, p, n, reduction=red, **kw),
+                                        r, rs)
+    # a broadcast anchor row (row stride 0) and a row-stride view, both split
+    wide = torch.rand(shape[0], shape[1] + 4, device=DEV).to(dtype)
+    for args in ((a[:1], p, n), (a, wide[:, :shape[1]], n)):
+        ref = fp64_losses(*args, 1.0, pnorm, 1e-6, True)
+        assert_as_accurate_as_torch(fused(*args, p=pnorm, swap=True, reduction="none"),
+                                    F.triplet_margin_loss(*args, p=pnorm, swap=True,
+                                                          reduction="none"), ref,
+                                    distance_scale(*args, pnorm, 1e-6, True))
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
@@ -266,7 +297,7 @@ def test_errors_match_torch_on_cuda():
                lambda: F.triplet_margin_loss(a[:, :0], p[:, :0], n[:, :0], p=math.inf))
 
 
-def test_requires_grad_gets_torch_gradients():
+def test_requires_grad_gradients_match_torch():
     a, p, n = (x.requires_grad_() for x in rand_triplet((16, 300), device=DEV, seed=21))
     ours = torch.autograd.grad(ft.triplet_margin_loss(a, p, n, swap=True), (a, p, n))
     theirs = torch.autograd.grad(F.triplet_margin_loss(a, p, n, swap=True), (a, p, n))

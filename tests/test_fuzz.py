@@ -75,7 +75,11 @@ def check_forward(inputs, opts):
     elif opts["reduction"] == "sum":
         ref, tol = ref.sum(), tol.sum()
     err = (ours.double() - ref).abs()
-    assert bool((err <= tol).all() | (ref.isnan() & ours.isnan())), (err / tol).max()
+    # A loss beyond the dtype's range (fp16 tops out at 65504; p = 0.5 distances do not) is
+    # right as the correctly rounded inf; torch gives nan there (inf - inf).
+    rounded = ref.to(ours.dtype)
+    overflow = rounded.isinf() & (ours == rounded)
+    assert bool(((err <= tol) | (ref.isnan() & ours.isnan()) | overflow).all()), (err / tol).max()
 
 
 def check_backward(inputs, opts):
