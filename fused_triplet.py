@@ -1,17 +1,18 @@
 """fused_triplet: a fused CUDA TripletMarginLoss for PyTorch (nn.TripletMarginLoss, fused).
 
 One kernel reads anchor, positive and negative once and writes the per-sample losses (and the
-distances a backward needs); 'mean'/'sum' add one tiny deterministic reduction kernel. Eager
-PyTorch instead materialises `x1 - x2 + eps` (B x D) for each distance.
+distances a backward needs); 'mean'/'sum' add one tiny deterministic reduction kernel. The
+backward kernel reads them once more and writes the gradients. Eager PyTorch instead
+materialises `x1 - x2 + eps` (B x D) for each distance.
 
 Layout of this file: kernel sources -> build -> op registration -> torch path -> argument
 handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
-CUDA inputs of a floating dtype go to the fused kernels; everything else (CPU tensors, integer
-or complex dtypes, 0-d inputs, shapes that broadcast unusually, and - until the fused backward
-lands - inputs that require grad) takes a pure-torch path that computes exactly what torch does.
+CUDA inputs of a floating dtype go to the fused kernels (forward and backward); everything
+else (CPU tensors, integer or complex dtypes, 0-d inputs, shapes that broadcast unusually)
+takes a pure-torch path that computes exactly what torch does.
 """
 
 from __future__ import annotations

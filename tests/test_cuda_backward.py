@@ -189,6 +189,19 @@ def test_compile_fullgraph_forward_backward():
         torch.testing.assert_close(x, y)
 
 
+def test_compile_reduce_overhead_forward_backward():
+    """torch.compile(mode="reduce-overhead"): CUDA graphs (cudagraph trees) around the fused
+    forward and backward."""
+    a, p, n = (x.requires_grad_() for x in rand_triplet((128, 512), device=DEV, seed=18))
+    compiled = torch.compile(lambda *x: fused_loss(*x, swap=True), mode="reduce-overhead")
+    for _ in range(3):  # recorded, then replayed
+        out, ours = grads(compiled, (a, p, n))
+    ref_out, ref = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+    torch.testing.assert_close(out, ref_out)
+    for x, y in zip(ours, ref):
+        torch.testing.assert_close(x, y)
+
+
 def test_cuda_graph_capture_and_replay():
     static = [x.requires_grad_() for x in rand_triplet((256, 1024), device=DEV, seed=12)]
     side = torch.cuda.Stream()

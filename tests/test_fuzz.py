@@ -100,13 +100,23 @@ def check_backward(inputs, opts):
         d_an = d_an.minimum(ft._pairwise_distance(p64, n64, opts["p"], opts["eps"]))
     decisive = ((opts["margin"] + d_ap - d_an).abs() > 1e-3 * scale).reshape(-1)
     tol = 1e-4 if inputs[0].dtype == torch.float32 else 1e-9
-    for x, r in zip(xs, refs):
-        g, rg = x.grad.double(), r.grad
+    # torch's own gradients at the input dtype: for p < 2 the element derivative |u|^(p-1) is
+    # ill-conditioned where u = x - y + eps is within rounding of 0, and there no result at the
+    # input dtype is within tol of float64 (eps itself rounds); we must then be as close as torch.
+    ts = [x.detach().clone().requires_grad_() for x in inputs]
+    F.triplet_margin_loss(*ts, **opts).sum().backward()
+    for x, r, t in zip(xs, refs, ts):
+        g, rg, tg = x.grad.double(), r.grad, t.grad.double()
         if g.shape[0] == decisive.numel():
-            g, rg = g[decisive], rg[decisive]
+            g, rg, tg = g[decisive], rg[decisive], tg[decisive]
         elif not decisive.all():
             continue  # a broadcast row sums every row's gradient, ambiguous ones included
         atol = tol * max(1.0, rg.abs().max().item() if rg.numel() else 1.0)
+        within = (g - rg).abs() <= atol + tol * rg.abs()
+        if not within.all() and opts["p"] < 2:
+            worst = (g - rg).abs().max().item()
+            assert worst <= 2 * (tg - rg).abs().max().item(), (worst, "torch's", (tg - rg).abs().max())
+            continue
         torch.testing.assert_close(g, rg, rtol=tol, atol=atol)
 
 
