@@ -26,6 +26,8 @@ STAGES = "constexpr int kBulkStages = 4;"
 CHUNK = "constexpr int kBulkChunkBytes = 8192;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
+FILL = "constexpr int64_t kFillBlocks = 1024;"
+SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
 
 VARIANTS = {
     "base": [],
@@ -38,6 +40,10 @@ VARIANTS = {
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
     "bulk_8k_x6": [(STAGES, STAGES.replace("4", "6"))],
     "bulk_16k_x4": [(CHUNK, CHUNK.replace("8192", "16384"))],
+    # split rows (time with --shape 16x4194304 or 4x16777216)
+    "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
+    "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
+    "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
     # backward (time with --backward)
     "bwd_minblocks3": [(BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 3)"))],
     "bwd_minblocks4": [(BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],

@@ -14,6 +14,7 @@ DEV = "cuda"
 
 
 def free_bytes():
+    torch.cuda.empty_cache()  # blocks an earlier test left in torch's cache count as free here
     return torch.cuda.mem_get_info()[0]
 
 
@@ -43,6 +44,28 @@ def test_more_than_2_31_elements_per_tensor(dim):
     assert_as_accurate_as_torch(mean, theirs.double().mean(), ref.mean(), scale.mean())
     # the last row is the one a 32-bit offset would get wrong
     assert_as_accurate_as_torch(ours[-1:], theirs[-1:], ref[-1:], scale[-1:])
+
+
+@pytest.mark.parametrize("dim", [65540, 65537])  # 16-byte rows (vector path) and odd rows (scalar)
+def test_backward_more_than_2_31_elements_per_tensor(dim):
+    """The fused backward's 64-bit offsets: gradients of the mean loss (swap) over 32768 rows,
+    checked against float64 (and torch's fp32) on the first, a middle and the last rows."""
+    rows = 32768
+    need = 6 * rows * dim * 4 + (12 << 30)  # inputs, gradients, a float64 chunk's autograd
+    if free_bytes() < need:
+        pytest.skip(f"needs {need / 2**30:.0f} GiB of free GPU memory, "
+                    f"{free_bytes() / 2**30:.0f} GiB free")
+    assert rows * dim > 2**31
+    a, p, n = (x.requires_grad_() for x in rand_triplet((rows, dim), device=DEV, seed=3))
+    ft.triplet_margin_loss(a, p, n, swap=True).backward()
+    for lo in (0, rows // 2, rows - 512):
+        sl = slice(lo, lo + 512)
+        exact = [x[sl].detach().double().requires_grad_() for x in (a, p, n)]
+        (ft._torch_triplet_margin_loss(*exact, 1.0, 2.0, 1e-6, True, 2) / rows).backward()
+        theirs = [x[sl].detach().clone().requires_grad_() for x in (a, p, n)]
+        (F.triplet_margin_loss(*theirs, swap=True, reduction="sum") / rows).backward()
+        for x, t, r in zip((a, p, n), theirs, exact):
+            assert_as_accurate_as_torch(x.grad[sl], t.grad, r.grad)
 
 
 def test_huge_magnitudes_behave_as_torch():
