@@ -258,8 +258,9 @@ struct RowConfig {
 //   kFillBlocks = 1024 blocks of 256 threads fill an H100/H200-class GPU (132 SMs x up to 8
 //   resident blocks) with a tail to balance. A constant of the shape, not of the SM count: a
 //   shape gets the same slices, so the same bits, on every GPU.
-//   Slices of at least kMinSliceBytes = 32 KiB per input (32 x 16-byte packs per thread of
-//   each input, 4 iterations of the unrolled loop): shorter rows are not worth a second pass.
+//   Slices of at least kMinSliceBytes = 32 KiB per input (8 x 16-byte packs per thread of each
+//   input, two trips of the 4-deep unrolled loop): shorter rows are not worth a second pass.
+//   Both constants are first guesses, not tuned (scripts/variants.py has split_* variants).
 constexpr int64_t kFillBlocks = 1024;
 constexpr int64_t kMinSliceBytes = 32 * 1024;
 
