@@ -1,4 +1,7 @@
 // Backward: one pass over anchor, positive and negative, writing the gradients that are needed.
+// Two kernels, chosen as the forward's: triplet_backward_bulk_kernel (long aligned rows, p = 2
+// or 1, sm_90: inputs through the copy engine's shared-memory ring) and triplet_backward_kernel
+// for the rest (teams of 8, 32 or 256 threads per row, register loads; split rows).
 //
 // Nothing B x D was saved: forward kept only the per-row distances. Per row the gradient is
 //   dL/da = c_ap f(u_ap) + c_an f(u_an),  dL/dp = -c_ap f(u_ap) + c_pn f(u_pn),
@@ -24,8 +27,6 @@ struct BackwardArgs : TripletRows<T> {  // vectorized: input and gradient rows 1
   T* grad_a;  // [rows, dim] contiguous, or null when not needed
   T* grad_p;
   T* grad_n;
-  int64_t splits;       // column slices per row, one block each (1: whole rows)
-  int64_t split_elems;  // elements per slice (a multiple of 16 bytes)
 };
 
 template <typename A>
@@ -73,16 +74,53 @@ __device__ __forceinline__ A norm_grad_scale(const NormParams<A>& prm, A g, A d,
   }
 }
 
-template <typename A>
+// One row's gradient: the distances and the per-row scale of each distance's f.
+template <typename A, NormKind K, bool SWAP>
 struct RowGrad {
+  NormParams<A> prm;
+  A eps;
   A d_ap, d_an, d_pn;  // distances
   A g_ap, g_an, g_pn;  // upstream gradient reaching each distance
+  A c_ap, c_an, c_pn;  // scales of f (set by scale())
+
+  // Gradients of one element of each input.
+  __device__ __forceinline__ void operator()(A xa, A xp, A xn, A& ga, A& gp, A& gn) const {
+    const A f_ap = c_ap * norm_grad_elem<A, K>(prm, xa - xp + eps, d_ap);
+    const A f_an = c_an * norm_grad_elem<A, K>(prm, xa - xn + eps, d_an);
+    const A f_pn = SWAP ? c_pn * norm_grad_elem<A, K>(prm, xp - xn + eps, d_pn) : A(0);
+    ga = f_ap + f_an;
+    gp = f_pn - f_ap;
+    gn = -f_an - f_pn;
+  }
+  // The same for one 16-byte pack of each input.
+  template <typename T>
+  __device__ __forceinline__ void operator()(const Pack<T>& a, const Pack<T>& p, const Pack<T>& n,
+                                             Pack<T>& oa, Pack<T>& op, Pack<T>& on) const {
+#pragma unroll
+    for (int j = 0; j < Pack<T>::kN; ++j) {
+      A ga, gp, gn;
+      (*this)(to_acc<A>(a.v[j]), to_acc<A>(p.v[j]), to_acc<A>(n.v[j]), ga, gp, gn);
+      oa.v[j] = static_cast<T>(ga);
+      op.v[j] = static_cast<T>(gp);
+      on.v[j] = static_cast<T>(gn);
+    }
+  }
+  // ties: for inf-norms, the number of entries equal to each norm (1 otherwise).
+  __device__ __forceinline__ void scale(const RowSums<A>& ties) {
+    c_ap = norm_grad_scale<A, K>(prm, g_ap, d_ap, ties.ap);
+    c_an = norm_grad_scale<A, K>(prm, g_an, d_an, ties.an);
+    c_pn = SWAP ? norm_grad_scale<A, K>(prm, g_pn, d_pn, ties.pn) : A(0);
+  }
 };
 
-template <typename T, bool SWAP>
-__device__ __forceinline__ RowGrad<acc_t<T>> row_grad(const BackwardArgs<T>& args, int64_t row) {
+// Distances and upstream gradients of one row (hinge, swap choice, reduction scale).
+template <NormKind K, bool SWAP, typename T>
+__device__ __forceinline__ RowGrad<acc_t<T>, K, SWAP> row_grad(const BackwardArgs<T>& args,
+                                                                int64_t row) {
   using A = acc_t<T>;
-  RowGrad<A> r;
+  RowGrad<A, K, SWAP> r;
+  r.prm = args.norm;
+  r.eps = args.eps;
   r.d_ap = args.dists[row];
   r.d_an = args.dists[args.rows + row];
   r.d_pn = SWAP ? args.dists[2 * args.rows + row] : A(0);
@@ -99,6 +137,16 @@ __device__ __forceinline__ RowGrad<acc_t<T>> row_grad(const BackwardArgs<T>& arg
   r.g_an = -g * w_an;
   r.g_pn = -g * w_pn;
   return r;
+}
+
+// Writes the needed gradients of one pack at element offset `at` of the contiguous outputs.
+template <typename T>
+__device__ __forceinline__ void store_grads(const BackwardArgs<T>& args, int64_t at,
+                                            const Pack<T>& oa, const Pack<T>& op,
+                                            const Pack<T>& on) {
+  if (args.grad_a != nullptr) store_pack(args.grad_a + at, oa);
+  if (args.grad_p != nullptr) store_pack(args.grad_p + at, op);
+  if (args.grad_n != nullptr) store_pack(args.grad_n + at, on);
 }
 
 constexpr int kBackwardUnroll = 4;
@@ -129,7 +177,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t len = min(args.split_elems, args.dim - first);
     const bool live = row < args.rows;
     const int64_t r = live ? row : 0;
-    const RowGrad<A> rg = row_grad<T, SWAP>(args, r);
+    RowGrad<A, K, SWAP> rg = row_grad<K, SWAP>(args, r);
     const T* a = args.a + r * args.stride_a;
     const T* p = args.p + r * args.stride_p;
     const T* n = args.n + r * args.stride_n;
@@ -158,23 +206,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     if (!live) continue;
 
-    const A c_ap = norm_grad_scale<A, K>(prm, rg.g_ap, rg.d_ap, ties.ap);
-    const A c_an = norm_grad_scale<A, K>(prm, rg.g_an, rg.d_an, ties.an);
-    const A c_pn = SWAP ? norm_grad_scale<A, K>(prm, rg.g_pn, rg.d_pn, ties.pn) : A(0);
+    rg.scale(ties);
     const int64_t out_row = row * args.dim + first;
     a += first;
     p += first;
     n += first;
-
-    // Gradients of one element of each input.
-    auto grads = [&](A xa, A xp, A xn, A& ga, A& gp, A& gn) {
-      const A f_ap = c_ap * norm_grad_elem<A, K>(prm, xa - xp + eps, rg.d_ap);
-      const A f_an = c_an * norm_grad_elem<A, K>(prm, xa - xn + eps, rg.d_an);
-      const A f_pn = SWAP ? c_pn * norm_grad_elem<A, K>(prm, xp - xn + eps, rg.d_pn) : A(0);
-      ga = f_ap + f_an;
-      gp = f_pn - f_ap;
-      gn = -f_an - f_pn;
-    };
 
     int64_t i = lane;  // scalar element index for the tail / unaligned path
     if (args.vectorized) {
@@ -195,30 +231,58 @@ __global__ void __launch_bounds__(kBlockThreads)
           const int64_t v = v0 + int64_t(u) * TPR;
           if (v >= packs) break;
           Pack<T> oa, op, on;
-#pragma unroll
-          for (int j = 0; j < kVec; ++j) {
-            A ga, gp, gn;
-            grads(to_acc<A>(pa[u].v[j]), to_acc<A>(pp[u].v[j]), to_acc<A>(pn[u].v[j]), ga, gp, gn);
-            oa.v[j] = static_cast<T>(ga);
-            op.v[j] = static_cast<T>(gp);
-            on.v[j] = static_cast<T>(gn);
-          }
-          const int64_t at = out_row + v * kVec;
-          if (args.grad_a != nullptr) store_pack(args.grad_a + at, oa);
-          if (args.grad_p != nullptr) store_pack(args.grad_p + at, op);
-          if (args.grad_n != nullptr) store_pack(args.grad_n + at, on);
+          rg(pa[u], pp[u], pn[u], oa, op, on);
+          store_grads(args, out_row + v * kVec, oa, op, on);
         }
       }
       i = packs * kVec + lane;
     }
     for (; i < len; i += TPR) {
       A ga, gp, gn;
-      grads(to_acc<A>(a[i]), to_acc<A>(p[i]), to_acc<A>(n[i]), ga, gp, gn);
+      rg(to_acc<A>(a[i]), to_acc<A>(p[i]), to_acc<A>(n[i]), ga, gp, gn);
       if (args.grad_a != nullptr) args.grad_a[out_row + i] = static_cast<T>(ga);
       if (args.grad_p != nullptr) args.grad_p[out_row + i] = static_cast<T>(gp);
       if (args.grad_n != nullptr) args.grad_n[out_row + i] = static_cast<T>(gn);
     }
   }
+}
+
+// Long aligned rows, p = 2 or 1 (inf-norm ties would need a pass over the row first): the copy
+// engine streams each row through shared memory (BulkRing, in triplet_common.cuh) and the block
+// writes each stage's gradients from there, so loads in flight do not depend on registers.
+template <typename T, NormKind K, bool SWAP>
+__global__ void __launch_bounds__(kBlockThreads)
+    triplet_backward_bulk_kernel(const BackwardArgs<T> args) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the host launches this only on sm_90+
+#else
+  static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
+  using A = acc_t<T>;
+  constexpr int kVec = Pack<T>::kN;
+  extern __shared__ __align__(128) unsigned char stage_mem[];
+  __shared__ __align__(8) uint64_t full[kBulkStages];
+
+  BulkRing<T> ring(args, stage_mem, full);
+  RowGrad<A, K, SWAP> rg;
+  for (int64_t c = 0; c < ring.total; ++c) {
+    const int64_t row = ring.row(c);
+    const int64_t first = ring.first(c);
+    if (first == 0) {  // a new row; before the wait, so its loads overlap the copies
+      rg = row_grad<K, SWAP>(args, row);
+      rg.scale(RowSums<A>{A(1), A(1), A(1)});
+    }
+    const unsigned char* stage = ring.wait(c);
+    const int packs = static_cast<int>(ring.elems(args, c) / kVec);
+    const int64_t out = row * args.dim + first;
+    for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
+      Pack<T> oa, op, on;
+      rg(stage_pack<T>(stage, 0, v), stage_pack<T>(stage, 1, v), stage_pack<T>(stage, 2, v), oa,
+         op, on);
+      store_grads(args, out + int64_t(v) * kVec, oa, op, on);
+    }
+    ring.release(args, c);
+  }
+#endif
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
@@ -259,6 +323,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
   const bool vectorized = rows_aligned(a) && rows_aligned(pos) && rows_aligned(neg) &&
                           (rows == 1 || (dim * anchor.element_size()) % kVecBytes == 0);
   const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
+  const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, anchor);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, anchor.scalar_type(),
@@ -266,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
     using A = acc_t<scalar_t>;
     BackwardArgs<scalar_t> args;
     static_cast<TripletRows<scalar_t>&>(args) =
-        make_triplet_rows<scalar_t>(a, pos, neg, vectorized, margin, eps, p);
+        make_triplet_rows<scalar_t>(a, pos, neg, vectorized, cfg, margin, eps, p);
     args.dists = d.const_data_ptr<A>();
     args.grad = g.const_data_ptr<scalar_t>();
     args.grad_stride = reduction == kNone ? 1 : 0;
@@ -275,11 +340,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
     args.grad_a = output_mask[0] ? out[0].mutable_data_ptr<scalar_t>() : nullptr;
     args.grad_p = output_mask[1] ? out[1].mutable_data_ptr<scalar_t>() : nullptr;
     args.grad_n = output_mask[2] ? out[2].mutable_data_ptr<scalar_t>() : nullptr;
-    args.splits = cfg.splits;
-    args.split_elems = cfg.split_elems;
     dispatch_row_kernel(norm_kind(p), cfg.threads_per_row, swap, [&](auto kind, auto tpr, auto sw) {
-      triplet_backward_kernel<scalar_t, decltype(kind)::value, decltype(tpr)::value,
-                              decltype(sw)::value><<<cfg.grid, kBlockThreads, 0, stream>>>(args);
+      constexpr NormKind K = decltype(kind)::value;
+      constexpr int TPR = decltype(tpr)::value;
+      constexpr bool SWAP = decltype(sw)::value;
+      if constexpr (TPR == kBlockThreads && K != NormKind::kOther) {
+        if (bulk) {
+          launch_bulk(triplet_backward_bulk_kernel<scalar_t, K, SWAP>, cfg.grid, stream, args);
+          return;
+        }
+      }
+      triplet_backward_kernel<scalar_t, K, TPR, SWAP><<<cfg.grid, kBlockThreads, 0, stream>>>(args);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

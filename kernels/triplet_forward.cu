@@ -23,8 +23,6 @@ struct ForwardArgs : TripletRows<T> {
   acc_t<T>* block_sums;   // [gridDim.x] sum of the block's row losses ('mean'/'sum'), or null
   acc_t<T>* dists;        // [2 or 3, rows]: d_ap, d_an (, d_pn with swap)
   acc_t<T>* partials;     // split rows: [3, rows * splits] per-slice norm partial sums
-  int64_t splits;         // column slices per row (1: rows are not split)
-  int64_t split_elems;    // elements per slice (a multiple of 16 bytes)
 };
 
 // Accumulates one element of each difference (x - y + eps, as torch computes it).
@@ -151,14 +149,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// Long rows whose starts and lengths are 16-byte multiples: the copy engine streams each row
-// through a ring of shared-memory stages (cp.async.bulk: one 8 KiB copy per input per stage), so
-// memory sees few, large requests and no registers hold data in flight; the whole block reduces
-// each stage from shared memory. One block (one team) per row.
-constexpr int kBulkStages = 4;
-constexpr int kBulkChunkBytes = 8192;
-constexpr int kBulkSmemBytes = kBulkStages * 3 * kBulkChunkBytes;  // 96 KiB: 2 blocks per SM
-
+// Long aligned rows: the copy engine streams each row through shared memory (BulkRing, in
+// triplet_common.cuh); the whole block reduces each stage.
 template <typename T, NormKind K, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_forward_bulk_kernel(const ForwardArgs<T> args) {
@@ -167,64 +159,30 @@ __global__ void __launch_bounds__(kBlockThreads)
 #else
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
-  constexpr int64_t kChunkElems = kBulkChunkBytes / sizeof(T);
   extern __shared__ __align__(128) unsigned char stage_mem[];
   __shared__ __align__(8) uint64_t full[kBulkStages];
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 
   const Norm<A, K> norm{args.norm};
-  const int64_t chunks_per_row = (args.dim + kChunkElems - 1) / kChunkElems;
-  const int64_t my_rows =
-      args.rows > blockIdx.x ? (args.rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  const int64_t total = my_rows * chunks_per_row;  // chunks this block streams, in order
-
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kBulkStages; ++st) mbarrier_init(&full[st], 1);
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  auto issue = [&](int64_t c) {  // thread 0: chunk c into stage c % kBulkStages
-    const int stage = c % kBulkStages;
-    const int64_t row = blockIdx.x + (c / chunks_per_row) * int64_t(gridDim.x);
-    const int64_t first = (c % chunks_per_row) * kChunkElems;
-    const uint32_t bytes = static_cast<uint32_t>(min(kChunkElems, args.dim - first) * sizeof(T));
-    unsigned char* dst = stage_mem + stage * 3 * kBulkChunkBytes;
-    mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);
-    bulk_copy_g2s(dst, args.a + row * args.stride_a + first, bytes, &full[stage]);
-    bulk_copy_g2s(dst + kBulkChunkBytes, args.p + row * args.stride_p + first, bytes, &full[stage]);
-    bulk_copy_g2s(dst + 2 * kBulkChunkBytes, args.n + row * args.stride_n + first, bytes,
-                  &full[stage]);
-  };
-  if (threadIdx.x == 0) {
-    for (int64_t c = 0; c < min(int64_t(kBulkStages), total); ++c) issue(c);
-  }
-
+  BulkRing<T> ring(args, stage_mem, full);
   A loss_sum = A(0);
   RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
-  for (int64_t c = 0; c < total; ++c) {
-    const int stage = c % kBulkStages;
-    mbarrier_wait(&full[stage], static_cast<uint32_t>((c / kBulkStages) & 1));
-    const int64_t first = (c % chunks_per_row) * kChunkElems;
-    const int packs = static_cast<int>(min(kChunkElems, args.dim - first) / kVec);
-    const unsigned char* src = stage_mem + stage * 3 * kBulkChunkBytes;
+  for (int64_t c = 0; c < ring.total; ++c) {
+    const unsigned char* stage = ring.wait(c);
+    const int packs = static_cast<int>(ring.elems(args, c) / kVec);
     for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
-      Pack<T> pa, pp, pn;
-      memcpy(&pa, src + v * kVecBytes, kVecBytes);
-      memcpy(&pp, src + kBulkChunkBytes + v * kVecBytes, kVecBytes);
-      memcpy(&pn, src + 2 * kBulkChunkBytes + v * kVecBytes, kVecBytes);
+      const Pack<T> pa = stage_pack<T>(stage, 0, v), pp = stage_pack<T>(stage, 1, v),
+                    pn = stage_pack<T>(stage, 2, v);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         accumulate3<SWAP>(norm, s, to_acc<A>(pa.v[j]), to_acc<A>(pp.v[j]), to_acc<A>(pn.v[j]),
                           args.eps);
       }
     }
-    __syncthreads();  // the stage is free again
-    if (threadIdx.x == 0 && c + kBulkStages < total) issue(c + kBulkStages);
-    if ((c + 1) % chunks_per_row == 0) {
+    ring.release(args, c);
+    if (ring.row_ends(c)) {
       s = team_reduce<kBlockThreads>(s, norm, smem_rows);
-      const int64_t row = blockIdx.x + (c / chunks_per_row) * int64_t(gridDim.x);
-      if (threadIdx.x == 0) finish_row<SWAP>(args, norm, s, row, loss_sum);
+      if (threadIdx.x == 0) finish_row<SWAP>(args, norm, s, ring.row(c), loss_sum);
       s = RowSums<A>{norm.identity(), norm.identity(), norm.identity()};
     }
   }
@@ -304,17 +262,6 @@ __global__ void __launch_bounds__(kSumThreads)
 
 // ---- launch ------------------------------------------------------------------------------
 
-// Rows of at least one full chunk per input, 16-byte aligned and a 16-byte multiple long, on
-// sm_90+, whose rows get a whole block: the bulk-copy kernel (the copy engine needs those
-// alignments). Its ring of 4 x 8 KiB stages (96 KiB, 2 blocks per SM) measured best: 2 x 16 KiB
-// tied, 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB, 4 x 16 KiB) were 13-50% slower, a
-// persistent grid 0.8% slower.
-bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size, bool vectorized,
-                     int cc_major) {
-  return cc_major >= 9 && vectorized && cfg.threads_per_row == kBlockThreads &&
-         (dim * elem_size) % kVecBytes == 0 && dim * elem_size >= kBulkChunkBytes;
-}
-
 // ---- host op -------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
@@ -344,11 +291,8 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
   const bool vectorized = rows_aligned(a) && rows_aligned(pos) && rows_aligned(neg);
-  int cc_major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&cc_major, cudaDevAttrComputeCapabilityMajor,
-                                        anchor.get_device()));
   const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
-  const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, cc_major);
+  const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, anchor);
   at::Tensor block_sums, partials;
   if (cfg.splits > 1) {
     partials = at::empty({3, rows * cfg.splits}, opts.dtype(acc_dtype));
@@ -362,13 +306,11 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
     using A = acc_t<scalar_t>;
     ForwardArgs<scalar_t> args;
     static_cast<TripletRows<scalar_t>&>(args) =
-        make_triplet_rows<scalar_t>(a, pos, neg, vectorized, margin, eps, p);
+        make_triplet_rows<scalar_t>(a, pos, neg, vectorized, cfg, margin, eps, p);
     args.loss_rows = reduction == kNone ? loss.mutable_data_ptr<scalar_t>() : nullptr;
     args.block_sums = block_sums.defined() ? block_sums.mutable_data_ptr<A>() : nullptr;
     args.dists = dists.mutable_data_ptr<A>();
     args.partials = partials.defined() ? partials.mutable_data_ptr<A>() : nullptr;
-    args.splits = cfg.splits;
-    args.split_elems = cfg.split_elems;
     dispatch_row_kernel(norm_kind(p), cfg.threads_per_row, swap, [&](auto kind, auto tpr, auto sw) {
       constexpr NormKind K = decltype(kind)::value;
       constexpr int TPR = decltype(tpr)::value;
@@ -383,10 +325,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
           return;
         }
         if (bulk) {
-          const auto kernel = triplet_forward_bulk_kernel<scalar_t, K, SWAP>;
-          C10_CUDA_CHECK(cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
-          kernel<<<cfg.grid, kBlockThreads, kBulkSmemBytes, stream>>>(args);
+          launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>, cfg.grid, stream, args);
           return;
         }
       }

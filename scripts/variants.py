@@ -21,7 +21,7 @@ TPR_DEFAULT = "default: with_swap(k, std::integral_constant<int, kBlockThreads>{
 GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
 
-BULK = "return cc_major >= 9 &&"
+BULK = "return vectorized && cfg.threads_per_row == kBlockThreads && cfg.splits == 1 &&"
 STAGES = "constexpr int kBulkStages = 4;"
 CHUNK = "constexpr int kBulkChunkBytes = 8192;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
@@ -31,10 +31,13 @@ SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
 
 VARIANTS = {
     "base": [],
-    "nobulk": [(BULK, "return false &&")],
+    "nobulk": [(BULK, "return false &&")],  # forward and backward
     "nobulk_tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
                       (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
     "nobulk_block512": [(BULK, "return false &&"), (BLOCK, BLOCK.replace("256", "512"))],
+    "bwd_nobulk": [("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
+                    "anchor);\n  const cudaStream_t",
+                    "const bool bulk = false;\n  const cudaStream_t")],
     "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
     "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
@@ -83,6 +86,8 @@ def time_one(name, shape, dtype_name, backward=False, rounds=50):
         a, p, n = (x.requires_grad_() for x in (a, p, n))
 
         def fn(a, p, n):
+            for x in (a, p, n):
+                x.grad = None  # a fresh gradient each call (no accumulation pass)
             loss = loss_fn(a, p, n)
             loss.backward()
             return loss.detach()
