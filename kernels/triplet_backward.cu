@@ -260,9 +260,10 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  __shared__ __align__(8) uint64_t full[kBulkStages];
+  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes>;
+  __shared__ __align__(8) uint64_t full[kBackwardStages];
 
-  BulkRing<T> ring(args, stage_mem, full);
+  Ring ring(args, stage_mem, full);
   RowGrad<A, K, SWAP> rg;
   for (int64_t c = 0; c < ring.total; ++c) {
     const int64_t row = ring.row(c);
@@ -276,7 +277,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t out = row * args.dim + first;
     for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
       Pack<T> oa, op, on;
-      rg(stage_pack<T>(stage, 0, v), stage_pack<T>(stage, 1, v), stage_pack<T>(stage, 2, v), oa,
+      rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa,
          op, on);
       store_grads(args, out + int64_t(v) * kVec, oa, op, on);
     }
@@ -346,7 +347,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
       constexpr bool SWAP = decltype(sw)::value;
       if constexpr (TPR == kBlockThreads && K != NormKind::kOther) {
         if (bulk) {
-          launch_bulk(triplet_backward_bulk_kernel<scalar_t, K, SWAP>, cfg.grid, stream, args);
+          launch_bulk(triplet_backward_bulk_kernel<scalar_t, K, SWAP>,
+                      BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes>::kSmemBytes,
+                      cfg.grid, stream, args);
           return;
         }
       }

@@ -310,23 +310,27 @@ struct TripletRows {
 };
 
 // ---- bulk-copy ring (sm_90): long aligned rows streamed through shared memory ------------------
-// The copy engine streams each of a block's rows through a ring of shared-memory stages
-// (cp.async.bulk: one chunk of up to 8 KiB per input per stage), so memory sees few, large
+// The copy engine streams each of a block's rows through a ring of kStages shared-memory stages
+// (cp.async.bulk: one chunk of up to kChunkBytes per input per stage), so memory sees few, large
 // requests and no registers hold data in flight; the whole block works on each stage from shared
 // memory. One team (the block) per row: rows b, b + grid, ... of block b, chunk after chunk.
-//   4 stages x 3 inputs x 8 KiB = 96 KiB: 2 blocks per SM. Measured on the forward at
-//   (32768, 8192) fp32 on the H200 (scripts/variants.py): 0.717 ms against 0.747 ms for register
-//   loads; 2 x 16 KiB tied; 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB, 4 x 16 KiB) were
-//   13-50% slower; a persistent grid 0.8% slower.
-constexpr int kBulkStages = 4;
-constexpr int kBulkChunkBytes = 8192;
-constexpr int kBulkSmemBytes = kBulkStages * 3 * kBulkChunkBytes;
+//   Forward: 4 stages x 3 inputs x 8 KiB = 96 KiB, 2 blocks per SM. Measured at (32768, 8192)
+//   fp32 on the H200 (scripts/variants.py): 0.717 ms against 0.747 ms for register loads;
+//   2 x 16 KiB tied; 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB, 4 x 16 KiB) were 13-50%
+//   slower; a persistent grid 0.8% slower.
+//   Backward: the same ring; forward + backward 2.310 ms against 2.397 ms with register loads.
+constexpr int kForwardStages = 4;
+constexpr int kForwardChunkBytes = 8192;
+constexpr int kBackwardStages = 4;
+constexpr int kBackwardChunkBytes = 8192;
+constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be worth a ring
 
-template <typename T>
+template <typename T, int kStages, int kChunkBytes>
 struct BulkRing {
-  static constexpr int64_t kChunkElems = kBulkChunkBytes / sizeof(T);
-  unsigned char* stages;  // [kBulkStages][3][kBulkChunkBytes]: a, p, n of one chunk per stage
-  uint64_t* full;         // [kBulkStages] mbarriers: the stage's copies have landed
+  static constexpr int kSmemBytes = kStages * 3 * kChunkBytes;  // dynamic shared memory
+  static constexpr int64_t kChunkElems = kChunkBytes / sizeof(T);
+  unsigned char* stages;  // [kStages][3][kChunkBytes]: a, p, n of one chunk per stage
+  uint64_t* full;         // [kStages] mbarriers: the stage's copies have landed
   int64_t chunks_per_row;
   int64_t total;  // chunks this block streams, in order
 
@@ -339,12 +343,12 @@ struct BulkRing {
         args.rows > blockIdx.x ? (args.rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     total = my_rows * chunks_per_row;
     if (threadIdx.x == 0) {
-      for (int st = 0; st < kBulkStages; ++st) mbarrier_init(&full[st], 1);
+      for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);
       fence_barrier_init();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      for (int64_t c = 0; c < min(int64_t(kBulkStages), total); ++c) issue(args, c);
+      for (int64_t c = 0; c < min(int64_t(kStages), total); ++c) issue(args, c);
     }
   }
   __device__ __forceinline__ int64_t row(int64_t c) const {
@@ -360,36 +364,33 @@ struct BulkRing {
     return min(kChunkElems, args.dim - first(c));
   }
   __device__ __forceinline__ void issue(const TripletRows<T>& args, int64_t c) {
-    const int stage = c % kBulkStages;
+    const int stage = c % kStages;
     const int64_t r = row(c), col = first(c);
     const uint32_t bytes = static_cast<uint32_t>(elems(args, c) * sizeof(T));
-    unsigned char* dst = stages + stage * 3 * kBulkChunkBytes;
+    unsigned char* dst = stages + stage * 3 * kChunkBytes;
     mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);
     bulk_copy_g2s(dst, args.a + r * args.stride_a + col, bytes, &full[stage]);
-    bulk_copy_g2s(dst + kBulkChunkBytes, args.p + r * args.stride_p + col, bytes, &full[stage]);
-    bulk_copy_g2s(dst + 2 * kBulkChunkBytes, args.n + r * args.stride_n + col, bytes,
-                  &full[stage]);
+    bulk_copy_g2s(dst + kChunkBytes, args.p + r * args.stride_p + col, bytes, &full[stage]);
+    bulk_copy_g2s(dst + 2 * kChunkBytes, args.n + r * args.stride_n + col, bytes, &full[stage]);
   }
-  // Waits until chunk c is in shared memory; returns the 16-byte packs of a, p and n.
+  // Waits until chunk c is in shared memory; returns its stage.
   __device__ __forceinline__ const unsigned char* wait(int64_t c) {
-    const int stage = c % kBulkStages;
-    mbarrier_wait(&full[stage], static_cast<uint32_t>((c / kBulkStages) & 1));
-    return stages + stage * 3 * kBulkChunkBytes;
+    const int stage = c % kStages;
+    mbarrier_wait(&full[stage], static_cast<uint32_t>((c / kStages) & 1));
+    return stages + stage * 3 * kChunkBytes;
   }
-  // Every thread is done with chunk c: its stage takes chunk c + kBulkStages.
+  // The 16-byte pack v of input k (0: a, 1: p, 2: n) in a stage.
+  __device__ __forceinline__ Pack<T> pack(const unsigned char* stage, int k, int v) const {
+    Pack<T> out;
+    memcpy(&out, stage + k * kChunkBytes + v * kVecBytes, kVecBytes);
+    return out;
+  }
+  // Every thread is done with chunk c: its stage takes chunk c + kStages.
   __device__ __forceinline__ void release(const TripletRows<T>& args, int64_t c) {
     __syncthreads();
-    if (threadIdx.x == 0 && c + kBulkStages < total) issue(args, c + kBulkStages);
+    if (threadIdx.x == 0 && c + kStages < total) issue(args, c + kStages);
   }
 };
-
-// The pack v of input k (0: a, 1: p, 2: n) in a stage.
-template <typename T>
-__device__ __forceinline__ Pack<T> stage_pack(const unsigned char* stage, int k, int v) {
-  Pack<T> out;
-  memcpy(&out, stage + k * kBulkChunkBytes + v * kVecBytes, kVecBytes);
-  return out;
-}
 
 inline int compute_capability_major(const at::Tensor& on) {
   int major = 0;
@@ -403,16 +404,17 @@ inline int compute_capability_major(const at::Tensor& on) {
 inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size,
                             bool vectorized, const at::Tensor& on) {
   return vectorized && cfg.threads_per_row == kBlockThreads && cfg.splits == 1 &&
-         (dim * elem_size) % kVecBytes == 0 && dim * elem_size >= kBulkChunkBytes &&
+         (dim * elem_size) % kVecBytes == 0 && dim * elem_size >= kBulkMinRowBytes &&
          compute_capability_major(on) >= 9;
 }
 
-// Launches a bulk-copy kernel with its ring of shared memory (above the 48 KiB default).
+// Launches a bulk-copy kernel with its ring's shared memory (above the 48 KiB default).
 template <typename Args>
-void launch_bulk(void (*kernel)(Args), int64_t grid, cudaStream_t stream, const Args& args) {
+void launch_bulk(void (*kernel)(Args), int smem_bytes, int64_t grid, cudaStream_t stream,
+                 const Args& args) {
   C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes));
-  kernel<<<grid, kBlockThreads, kBulkSmemBytes, stream>>>(args);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  kernel<<<grid, kBlockThreads, smem_bytes, stream>>>(args);
 }
 
 // Calls launch(kind, threads_per_row, swap) with each runtime choice as a compile-time constant

@@ -160,19 +160,20 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  __shared__ __align__(8) uint64_t full[kBulkStages];
+  using Ring = BulkRing<T, kForwardStages, kForwardChunkBytes>;
+  __shared__ __align__(8) uint64_t full[kForwardStages];
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 
   const Norm<A, K> norm{args.norm};
-  BulkRing<T> ring(args, stage_mem, full);
+  Ring ring(args, stage_mem, full);
   A loss_sum = A(0);
   RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
   for (int64_t c = 0; c < ring.total; ++c) {
     const unsigned char* stage = ring.wait(c);
     const int packs = static_cast<int>(ring.elems(args, c) / kVec);
     for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
-      const Pack<T> pa = stage_pack<T>(stage, 0, v), pp = stage_pack<T>(stage, 1, v),
-                    pn = stage_pack<T>(stage, 2, v);
+      const Pack<T> pa = ring.pack(stage, 0, v), pp = ring.pack(stage, 1, v),
+                    pn = ring.pack(stage, 2, v);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         accumulate3<SWAP>(norm, s, to_acc<A>(pa.v[j]), to_acc<A>(pp.v[j]), to_acc<A>(pn.v[j]),
@@ -325,7 +326,9 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
           return;
         }
         if (bulk) {
-          launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>, cfg.grid, stream, args);
+          launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
+                      BulkRing<scalar_t, kForwardStages, kForwardChunkBytes>::kSmemBytes, cfg.grid,
+                      stream, args);
           return;
         }
       }

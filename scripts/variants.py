@@ -22,8 +22,13 @@ GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
 
 BULK = "return vectorized && cfg.threads_per_row == kBlockThreads && cfg.splits == 1 &&"
-STAGES = "constexpr int kBulkStages = 4;"
-CHUNK = "constexpr int kBulkChunkBytes = 8192;"
+STAGES = "constexpr int kForwardStages = 4;"
+CHUNK = "constexpr int kForwardChunkBytes = 8192;"
+BWD_STAGES = "constexpr int kBackwardStages = 4;"
+BWD_CHUNK = "constexpr int kBackwardChunkBytes = 8192;"
+BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
+            "anchor);\n  const cudaStream_t")
+BWD_NOBULK = (BWD_BULK, "const bool bulk = false;\n  const cudaStream_t")
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
@@ -35,9 +40,6 @@ VARIANTS = {
     "nobulk_tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
                       (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
     "nobulk_block512": [(BULK, "return false &&"), (BLOCK, BLOCK.replace("256", "512"))],
-    "bwd_nobulk": [("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
-                    "anchor);\n  const cudaStream_t",
-                    "const bool bulk = false;\n  const cudaStream_t")],
     "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
     "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
@@ -47,15 +49,21 @@ VARIANTS = {
     "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
     "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
-    # backward (time with --backward)
-    "bwd_minblocks3": [(BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 3)"))],
-    "bwd_minblocks4": [(BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
-    "bwd_unroll2": [(BWD_UNROLL, BWD_UNROLL.replace("4", "2"))],
-    "bwd_unroll2_minblocks4": [
-        (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
-        (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
+    # backward (time with --backward): the bulk-copy ring's shape, stores, register loads
+    "bwd_ring_8k_x3": [(BWD_STAGES, BWD_STAGES.replace("4", "3"))],  # 72 KiB: 3 blocks per SM
+    "bwd_ring_4k_x4": [(BWD_CHUNK, BWD_CHUNK.replace("8192", "4096"))],  # 48 KiB: 4 per SM
+    "bwd_ring_8k_x2": [(BWD_STAGES, BWD_STAGES.replace("4", "2"))],  # 48 KiB: 4 per SM
+    "bwd_ring_4k_x6": [(BWD_CHUNK, BWD_CHUNK.replace("8192", "4096")),
+                       (BWD_STAGES, BWD_STAGES.replace("4", "6"))],  # 72 KiB: 3 per SM
+    "bwd_ring_16k_x2": [(BWD_CHUNK, BWD_CHUNK.replace("8192", "16384")),
+                        (BWD_STAGES, BWD_STAGES.replace("4", "2"))],
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
+    "bwd_nobulk": [BWD_NOBULK],
+    "bwd_nobulk_u2_mb4": [BWD_NOBULK, (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
+                          (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
+    "bwd_nobulk_u1_mb6": [BWD_NOBULK, (BWD_UNROLL, BWD_UNROLL.replace("4", "1")),
+                          (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 6)"))],
 }
 
 
