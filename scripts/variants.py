@@ -25,7 +25,7 @@ BULK = "return vectorized && cfg.threads_per_row == kBlockThreads && cfg.splits 
 STAGES = "constexpr int kForwardStages = 4;"
 CHUNK = "constexpr int kForwardChunkBytes = 8192;"
 BWD_STAGES = "constexpr int kBackwardStages = 4;"
-BWD_CHUNK = "constexpr int kBackwardChunkBytes = 8192;"
+BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
 BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
             "anchor);\n  const cudaStream_t")
 BWD_NOBULK = (BWD_BULK, "const bool bulk = false;\n  const cudaStream_t")
@@ -50,13 +50,12 @@ VARIANTS = {
     "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
     # backward (time with --backward): the bulk-copy ring's shape, stores, register loads
-    "bwd_ring_8k_x3": [(BWD_STAGES, BWD_STAGES.replace("4", "3"))],  # 72 KiB: 3 blocks per SM
-    "bwd_ring_4k_x4": [(BWD_CHUNK, BWD_CHUNK.replace("8192", "4096"))],  # 48 KiB: 4 per SM
-    "bwd_ring_8k_x2": [(BWD_STAGES, BWD_STAGES.replace("4", "2"))],  # 48 KiB: 4 per SM
-    "bwd_ring_4k_x6": [(BWD_CHUNK, BWD_CHUNK.replace("8192", "4096")),
-                       (BWD_STAGES, BWD_STAGES.replace("4", "6"))],  # 72 KiB: 3 per SM
-    "bwd_ring_16k_x2": [(BWD_CHUNK, BWD_CHUNK.replace("8192", "16384")),
-                        (BWD_STAGES, BWD_STAGES.replace("4", "2"))],
+    "bwd_ring_4k_x6": [(BWD_STAGES, BWD_STAGES.replace("4", "6"))],  # 72 KiB: 3 blocks per SM
+    "bwd_ring_8k_x4": [(BWD_CHUNK, BWD_CHUNK.replace("4096", "8192"))],  # 96 KiB: 2 per SM
+    "bwd_ring_4k_x8": [(BWD_STAGES, BWD_STAGES.replace("4", "8"))],  # 96 KiB: 2 per SM
+    "bwd_ring_2k_x8": [(BWD_CHUNK, BWD_CHUNK.replace("4096", "2048")),
+                       (BWD_STAGES, BWD_STAGES.replace("4", "8"))],  # 48 KiB: 4 per SM
+    "bwd_ring_4k_x3": [(BWD_STAGES, BWD_STAGES.replace("4", "3"))],  # 36 KiB: 6 per SM
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
     "bwd_nobulk": [BWD_NOBULK],
