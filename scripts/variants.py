@@ -45,6 +45,8 @@ VARIANTS = {
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
     "bulk_8k_x6": [(STAGES, STAGES.replace("4", "6"))],
     "bulk_16k_x4": [(CHUNK, CHUNK.replace("8192", "16384"))],
+    "bulk_4k_x4": [(CHUNK, CHUNK.replace("8192", "4096"))],  # 48 KiB: 4 blocks per SM
+    "bulk_4k_x6": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "6"))],
     # split rows (time with --shape 16x4194304 or 4x16777216)
     "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
     "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
