@@ -260,30 +260,116 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes>;
+  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes, RowChunks>;
   __shared__ __align__(8) uint64_t full[kBackwardStages];
 
-  Ring ring(args, stage_mem, full);
+  Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
   RowGrad<A, K, SWAP> rg;
-  for (int64_t c = 0; c < ring.total; ++c) {
-    const int64_t row = ring.row(c);
-    const int64_t first = ring.first(c);
-    if (first == 0) {  // a new row; before the wait, so its loads overlap the copies
-      rg = row_grad<K, SWAP>(args, row);
+  for (int64_t c = 0; c < ring.chunks.total; ++c) {
+    const ChunkAt at = ring.chunks.at(args, c);
+    if (at.flat == at.row * args.dim) {  // a new row; before the wait: its loads overlap the copies
+      rg = row_grad<K, SWAP>(args, at.row);
       rg.scale(RowSums<A>{A(1), A(1), A(1)});
     }
     const unsigned char* stage = ring.wait(c);
-    const int packs = static_cast<int>(ring.elems(args, c) / kVec);
-    const int64_t out = row * args.dim + first;
+    const int packs = static_cast<int>(at.elems / kVec);
     for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
       Pack<T> oa, op, on;
-      rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa,
-         op, on);
-      store_grads(args, out + int64_t(v) * kVec, oa, op, on);
+      rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa, op, on);
+      store_grads(args, at.flat + int64_t(v) * kVec, oa, op, on);
     }
     ring.release(args, c);
   }
 #endif
+}
+
+// Contiguous inputs whose rows are 16-byte multiples, p = 2 or 1, sm_90: given the per-row
+// scales the gradient is elementwise, so the three inputs stream through the bulk-copy ring as
+// flat arrays, chunks_per_block chunks per block, across row boundaries: short rows, long rows
+// and too few rows to fill the GPU alike. The scales of the rows a chunk touches are computed
+// into a shared-memory table (two, alternating) while the chunk before it is worked on.
+template <typename T, NormKind K, bool SWAP>
+__global__ void __launch_bounds__(kBlockThreads)
+    triplet_backward_flat_kernel(const BackwardArgs<T> args, int64_t chunks_per_block) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the host launches this only on sm_90+
+#else
+  static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
+  using A = acc_t<T>;
+  constexpr int kVec = Pack<T>::kN;
+  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes, FlatChunks>;
+  // Rows one chunk can touch: rows are at least one pack long and chunks start on a pack.
+  constexpr int kMaxRows = static_cast<int>(Ring::kChunkElems / kVec) + 2;
+  extern __shared__ __align__(128) unsigned char stage_mem[];
+  __shared__ __align__(8) uint64_t full[kBackwardStages];
+  __shared__ RowSums<A> scales[2][kMaxRows];  // c_ap, c_an, c_pn of each row; double-buffered
+
+  Ring ring(args, stage_mem, full, FlatChunks<T, Ring::kChunkElems>(args, chunks_per_block));
+  const int64_t dim = args.dim;
+  constexpr int64_t kStep = Ring::kChunkElems;  // a block's chunks are consecutive
+  // Whole rows within x < dim + kStep elements: 0 or 1 for rows of at least a chunk, else a
+  // 32-bit division (no 64-bit division per pack).
+  auto rows_in = [&](int64_t x) -> int {
+    if (x < dim) return 0;
+    return dim >= kStep ? 1 : static_cast<int>(static_cast<uint32_t>(x) /
+                                               static_cast<uint32_t>(dim));
+  };
+  // Row and column where chunk c starts, advanced chunk by chunk.
+  int64_t row = 0, col = 0;
+  if (ring.chunks.total > 0) {
+    const int64_t flat = ring.chunks.at(args, 0).flat;
+    row = flat / dim;
+    col = flat - row * dim;
+  }
+  auto fill = [&](int64_t c, int64_t row0, int64_t col0, RowSums<A>* table) {
+    const int rows_here = rows_in(col0 + ring.chunks.at(args, c).elems - 1) + 1;
+    for (int r = threadIdx.x; r < rows_here; r += kBlockThreads) {
+      RowGrad<A, K, SWAP> g = row_grad<K, SWAP>(args, row0 + r);
+      g.scale(RowSums<A>{A(1), A(1), A(1)});
+      table[r] = RowSums<A>{g.c_ap, g.c_an, g.c_pn};
+    }
+  };
+  if (ring.chunks.total > 0) fill(0, row, col, scales[0]);
+  __syncthreads();
+
+  RowGrad<A, K, SWAP> rg;  // for p = 2 and 1 the element gradient needs only the scales
+  rg.prm = args.norm;
+  rg.eps = args.eps;
+  rg.d_ap = rg.d_an = rg.d_pn = A(0);
+  for (int64_t c = 0; c < ring.chunks.total; ++c) {
+    const int64_t col0 = col;  // this chunk's first column
+    const int next_rows = rows_in(col + kStep);
+    row += next_rows;
+    col += kStep - next_rows * dim;
+    // The next chunk's table first: its loads overlap this chunk's copy wait and work; the
+    // release barrier below publishes it.
+    if (c + 1 < ring.chunks.total) fill(c + 1, row, col, scales[(c + 1) & 1]);
+    const unsigned char* stage = ring.wait(c);
+    const ChunkAt at = ring.chunks.at(args, c);
+    const RowSums<A>* table = scales[c & 1];
+    const int packs = static_cast<int>(at.elems / kVec);
+    for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
+      const RowSums<A> sc = table[rows_in(col0 + int64_t(v) * kVec)];
+      rg.c_ap = sc.ap;
+      rg.c_an = sc.an;
+      rg.c_pn = sc.pn;
+      Pack<T> oa, op, on;
+      rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa, op, on);
+      store_grads(args, at.flat + int64_t(v) * kVec, oa, op, on);
+    }
+    ring.release(args, c);
+  }
+#endif
+}
+
+// Flat chunks per block: up to 8 (32 KiB per input at 4 KiB chunks, what one block of the row
+// kernel streams at (32768, 8192) fp32), fewer where that would leave fewer than kFillBlocks
+// blocks. The gradient has no reduction, so this choice does not change any bit.
+constexpr bool kFlatBackward = true;  // false: the row kernel (A/B in scripts/variants.py)
+constexpr int64_t kFlatMaxChunksPerBlock = 8;
+
+inline int64_t flat_chunks_per_block(int64_t chunks) {
+  return std::max<int64_t>(1, std::min(kFlatMaxChunksPerBlock, chunks / kFillBlocks));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
@@ -325,6 +411,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
                           (rows == 1 || (dim * anchor.element_size()) % kVecBytes == 0);
   const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
   const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, anchor);
+  const bool contiguous_rows =
+      rows == 1 || (a.stride(0) == dim && pos.stride(0) == dim && neg.stride(0) == dim);
+  const bool flat = kFlatBackward && vectorized && contiguous_rows &&
+                    (dim * anchor.element_size()) % kVecBytes == 0 &&
+                    norm_kind(p) != NormKind::kOther && compute_capability_major(anchor) >= 9;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, anchor.scalar_type(),
@@ -345,10 +436,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
       constexpr NormKind K = decltype(kind)::value;
       constexpr int TPR = decltype(tpr)::value;
       constexpr bool SWAP = decltype(sw)::value;
-      if constexpr (TPR == kBlockThreads && K != NormKind::kOther) {
-        if (bulk) {
+      if constexpr (K != NormKind::kOther) {
+        if (flat) {
+          const int64_t chunk_elems = kBackwardChunkBytes / static_cast<int64_t>(sizeof(scalar_t));
+          const int64_t chunks = (rows * dim + chunk_elems - 1) / chunk_elems;
+          const int64_t per_block = flat_chunks_per_block(chunks);
+          launch_bulk(triplet_backward_flat_kernel<scalar_t, K, SWAP>,
+                      BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes,
+                               FlatChunks>::kSmemBytes,
+                      (chunks + per_block - 1) / per_block, stream, args, per_block);
+          return;
+        }
+        if (TPR == kBlockThreads && bulk) {
           launch_bulk(triplet_backward_bulk_kernel<scalar_t, K, SWAP>,
-                      BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes>::kSmemBytes,
+                      BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes,
+                               RowChunks>::kSmemBytes,
                       cfg.grid, stream, args);
           return;
         }

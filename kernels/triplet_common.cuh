@@ -330,53 +330,80 @@ constexpr int kBackwardStages = 4;
 constexpr int kBackwardChunkBytes = 4096;
 constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be worth a ring
 
-template <typename T, int kStages, int kChunkBytes>
+// Where chunk c of a block's sequence lies: element offsets in a, p, n and in the contiguous
+// (rows, dim) gradients / flat view, and its length.
+struct ChunkAt {
+  int64_t row;              // RowChunks: the row; FlatChunks: -1 (rows vary within a chunk)
+  int64_t off_a, off_p, off_n;
+  int64_t flat;             // row * dim + first column: the offset in a contiguous layout
+  int64_t elems;            // <= the chunk's capacity; 0 for none
+};
+
+// Rows b, b + grid, ... of block b, each cut into chunks (rows of any stride).
+template <typename T, int64_t kChunkElems>
+struct RowChunks {
+  int64_t per_row, total;
+  __device__ __forceinline__ explicit RowChunks(const TripletRows<T>& args) {
+    per_row = (args.dim + kChunkElems - 1) / kChunkElems;
+    const int64_t my_rows =
+        args.rows > blockIdx.x ? (args.rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    total = my_rows * per_row;
+  }
+  __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
+    const int64_t row = blockIdx.x + (c / per_row) * int64_t(gridDim.x);
+    const int64_t col = (c % per_row) * kChunkElems;
+    return {row, row * args.stride_a + col, row * args.stride_p + col, row * args.stride_n + col,
+            row * args.dim + col, min(kChunkElems, args.dim - col)};
+  }
+  __device__ __forceinline__ bool row_ends(int64_t c) const { return (c + 1) % per_row == 0; }
+};
+
+// Contiguous inputs seen as one flat array of rows * dim elements: block b streams chunks
+// [b * per_block, (b + 1) * per_block) of it, across row boundaries.
+template <typename T, int64_t kChunkElems>
+struct FlatChunks {
+  int64_t first, total;
+  __device__ __forceinline__ FlatChunks(const TripletRows<T>& args, int64_t per_block) {
+    const int64_t chunks = (args.rows * args.dim + kChunkElems - 1) / kChunkElems;
+    first = int64_t(blockIdx.x) * per_block;
+    total = max(int64_t(0), min(per_block, chunks - first));
+  }
+  __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
+    const int64_t flat = (first + c) * kChunkElems;
+    return {-1, flat, flat, flat, flat, min(kChunkElems, args.rows * args.dim - flat)};
+  }
+};
+
+template <typename T, int kStages, int kChunkBytes, template <typename, int64_t> class Chunks>
 struct BulkRing {
   static constexpr int kSmemBytes = kStages * 3 * kChunkBytes;  // dynamic shared memory
   static constexpr int64_t kChunkElems = kChunkBytes / sizeof(T);
   unsigned char* stages;  // [kStages][3][kChunkBytes]: a, p, n of one chunk per stage
   uint64_t* full;         // [kStages] mbarriers: the stage's copies have landed
-  int64_t chunks_per_row;
-  int64_t total;  // chunks this block streams, in order
+  Chunks<T, kChunkElems> chunks;  // which chunks, in order (chunks.total of them)
 
   // Every thread of the block constructs it (it holds a barrier); thread 0 starts the copies.
   __device__ __forceinline__ BulkRing(const TripletRows<T>& args, unsigned char* stage_mem,
-                                      uint64_t* barriers)
-      : stages(stage_mem), full(barriers) {
-    chunks_per_row = (args.dim + kChunkElems - 1) / kChunkElems;
-    const int64_t my_rows =
-        args.rows > blockIdx.x ? (args.rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-    total = my_rows * chunks_per_row;
+                                      uint64_t* barriers, const Chunks<T, kChunkElems>& order)
+      : stages(stage_mem), full(barriers), chunks(order) {
     if (threadIdx.x == 0) {
       for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);
       fence_barrier_init();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      for (int64_t c = 0; c < min(int64_t(kStages), total); ++c) issue(args, c);
+      for (int64_t c = 0; c < min(int64_t(kStages), chunks.total); ++c) issue(args, c);
     }
-  }
-  __device__ __forceinline__ int64_t row(int64_t c) const {
-    return blockIdx.x + (c / chunks_per_row) * int64_t(gridDim.x);
-  }
-  __device__ __forceinline__ int64_t first(int64_t c) const {  // first column of chunk c
-    return (c % chunks_per_row) * kChunkElems;
-  }
-  __device__ __forceinline__ bool row_ends(int64_t c) const {
-    return (c + 1) % chunks_per_row == 0;
-  }
-  __device__ __forceinline__ int64_t elems(const TripletRows<T>& args, int64_t c) const {
-    return min(kChunkElems, args.dim - first(c));
   }
   __device__ __forceinline__ void issue(const TripletRows<T>& args, int64_t c) {
     const int stage = c % kStages;
-    const int64_t r = row(c), col = first(c);
-    const uint32_t bytes = static_cast<uint32_t>(elems(args, c) * sizeof(T));
+    const ChunkAt at = chunks.at(args, c);
+    const uint32_t bytes = static_cast<uint32_t>(at.elems * sizeof(T));
     unsigned char* dst = stages + stage * 3 * kChunkBytes;
     mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);
-    bulk_copy_g2s(dst, args.a + r * args.stride_a + col, bytes, &full[stage]);
-    bulk_copy_g2s(dst + kChunkBytes, args.p + r * args.stride_p + col, bytes, &full[stage]);
-    bulk_copy_g2s(dst + 2 * kChunkBytes, args.n + r * args.stride_n + col, bytes, &full[stage]);
+    bulk_copy_g2s(dst, args.a + at.off_a, bytes, &full[stage]);
+    bulk_copy_g2s(dst + kChunkBytes, args.p + at.off_p, bytes, &full[stage]);
+    bulk_copy_g2s(dst + 2 * kChunkBytes, args.n + at.off_n, bytes, &full[stage]);
   }
   // Waits until chunk c is in shared memory; returns its stage.
   __device__ __forceinline__ const unsigned char* wait(int64_t c) {
@@ -393,7 +420,7 @@ struct BulkRing {
   // Every thread is done with chunk c: its stage takes chunk c + kStages.
   __device__ __forceinline__ void release(const TripletRows<T>& args, int64_t c) {
     __syncthreads();
-    if (threadIdx.x == 0 && c + kStages < total) issue(args, c + kStages);
+    if (threadIdx.x == 0 && c + kStages < chunks.total) issue(args, c + kStages);
   }
 };
 
@@ -414,12 +441,12 @@ inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size
 }
 
 // Launches a bulk-copy kernel with its ring's shared memory (above the 48 KiB default).
-template <typename Args>
-void launch_bulk(void (*kernel)(Args), int smem_bytes, int64_t grid, cudaStream_t stream,
-                 const Args& args) {
+template <typename... Params, typename... Args>
+void launch_bulk(void (*kernel)(Params...), int smem_bytes, int64_t grid, cudaStream_t stream,
+                 const Args&... args) {
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  kernel<<<grid, kBlockThreads, smem_bytes, stream>>>(args);
+  kernel<<<grid, kBlockThreads, smem_bytes, stream>>>(args...);
 }
 
 // Calls launch(kind, threads_per_row, swap) with each runtime choice as a compile-time constant

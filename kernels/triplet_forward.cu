@@ -160,17 +160,18 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  using Ring = BulkRing<T, kForwardStages, kForwardChunkBytes>;
+  using Ring = BulkRing<T, kForwardStages, kForwardChunkBytes, RowChunks>;
   __shared__ __align__(8) uint64_t full[kForwardStages];
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 
   const Norm<A, K> norm{args.norm};
-  Ring ring(args, stage_mem, full);
+  Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
   A loss_sum = A(0);
   RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
-  for (int64_t c = 0; c < ring.total; ++c) {
+  for (int64_t c = 0; c < ring.chunks.total; ++c) {
     const unsigned char* stage = ring.wait(c);
-    const int packs = static_cast<int>(ring.elems(args, c) / kVec);
+    const ChunkAt at = ring.chunks.at(args, c);
+    const int packs = static_cast<int>(at.elems / kVec);
     for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
       const Pack<T> pa = ring.pack(stage, 0, v), pp = ring.pack(stage, 1, v),
                     pn = ring.pack(stage, 2, v);
@@ -181,9 +182,9 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
     }
     ring.release(args, c);
-    if (ring.row_ends(c)) {
+    if (ring.chunks.row_ends(c)) {
       s = team_reduce<kBlockThreads>(s, norm, smem_rows);
-      if (threadIdx.x == 0) finish_row<SWAP>(args, norm, s, ring.row(c), loss_sum);
+      if (threadIdx.x == 0) finish_row<SWAP>(args, norm, s, at.row, loss_sum);
       s = RowSums<A>{norm.identity(), norm.identity(), norm.identity()};
     }
   }
@@ -327,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
         }
         if (bulk) {
           launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
-                      BulkRing<scalar_t, kForwardStages, kForwardChunkBytes>::kSmemBytes, cfg.grid,
+                      BulkRing<scalar_t, kForwardStages, kForwardChunkBytes, RowChunks>::kSmemBytes, cfg.grid,
                       stream, args);
           return;
         }

@@ -27,8 +27,10 @@ CHUNK = "constexpr int kForwardChunkBytes = 8192;"
 BWD_STAGES = "constexpr int kBackwardStages = 4;"
 BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
 BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
-            "anchor);\n  const cudaStream_t")
-BWD_NOBULK = (BWD_BULK, "const bool bulk = false;\n  const cudaStream_t")
+            "anchor);\n  const bool contiguous_rows")
+BWD_NOBULK = (BWD_BULK, "const bool bulk = false;\n  const bool contiguous_rows")
+FLAT = "constexpr bool kFlatBackward = true;"
+FLAT_PER_BLOCK = "constexpr int64_t kFlatMaxChunksPerBlock = 8;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
@@ -60,10 +62,13 @@ VARIANTS = {
     "bwd_ring_4k_x3": [(BWD_STAGES, BWD_STAGES.replace("4", "3"))],  # 36 KiB: 6 per SM
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
-    "bwd_nobulk": [BWD_NOBULK],
-    "bwd_nobulk_u2_mb4": [BWD_NOBULK, (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
+    "bwd_rows_bulk": [(FLAT, FLAT.replace("true", "false"))],  # row-by-row ring, no flat kernel
+    "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
+    "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
+    "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
+    "bwd_nobulk_u2_mb4": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")), (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
                           (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
-    "bwd_nobulk_u1_mb6": [BWD_NOBULK, (BWD_UNROLL, BWD_UNROLL.replace("4", "1")),
+    "bwd_nobulk_u1_mb6": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")), (BWD_UNROLL, BWD_UNROLL.replace("4", "1")),
                           (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 6)"))],
 }
 

@@ -101,17 +101,22 @@ def test_other_dtypes_close_to_fp64(dtype):
 
 
 BULK_SHAPE = (600, 3000)  # >= 512 rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk
+# Contiguous inputs with 16-byte rows take the flat bulk-copy backward on sm_90, whatever the
+# row length: chunks that cross rows (3000, 100 fp32), 16-byte rows (8 fp32 / bf16: hundreds of
+# rows per chunk), few long rows (3 x 100000, split in forward).
+FLAT_SHAPES = [BULK_SHAPE, (4096, 8), (2048, 100), (3, 100000)]
 
 
+@pytest.mark.parametrize("shape", FLAT_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 @pytest.mark.parametrize("swap", [False, True])
-def test_bulk_copy_rows_gradients(dtype, pnorm, swap):
-    """Long aligned rows take the bulk-copy backward kernel on sm_90 (its last chunk of each row
-    is partial here): each subset of needed gradients, a per-sample upstream gradient, against
-    float64 autograd, as accurate as torch's own autograd in that dtype."""
-    a, p, n = rand_triplet(BULK_SHAPE, dtype=dtype, device=DEV, seed=19)
-    upstream = torch.rand(BULK_SHAPE[0], device=DEV, dtype=dtype)
+def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
+    """Aligned rows take the bulk-copy backward kernels on sm_90: each subset of needed
+    gradients, a per-sample upstream gradient, against float64 autograd, as accurate as torch's
+    own autograd in that dtype."""
+    a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=19)
+    upstream = torch.rand(shape[0], device=DEV, dtype=dtype)
     kw = dict(margin=2.0, p=pnorm, swap=swap, reduction="none")
     _, exact = grads(lambda *x: F.triplet_margin_loss(*x, **kw),
                      [x.detach().double().requires_grad_() for x in (a, p, n)], upstream.double())
@@ -126,6 +131,22 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap):
                 continue
             assert x.dtype == dtype
             assert_as_accurate_as_torch(x, y, r)
+
+
+@pytest.mark.parametrize("pnorm", [2.0, 1.0])
+def test_bulk_copy_strided_rows_gradients(pnorm):
+    """x[:, :3000] of a (600, 3008) tensor: 16-byte aligned rows that are not contiguous take
+    the row-by-row bulk-copy backward (the flat one needs contiguous rows)."""
+    wide = [x.detach().requires_grad_() for x in rand_triplet((600, 3008), device=DEV, seed=20)]
+    views = [w[:, :3000] for w in wide]
+    kw = dict(margin=2.0, p=pnorm, swap=True)
+    ours = torch.autograd.grad(fused_loss(*views, margin=2.0, pnorm=pnorm, swap=True), wide)
+    theirs = torch.autograd.grad(F.triplet_margin_loss(*views, **kw), wide)
+    exact_in = [w.detach().double().requires_grad_() for w in wide]
+    exact = torch.autograd.grad(F.triplet_margin_loss(*[w[:, :3000] for w in exact_in], **kw),
+                                exact_in)
+    for x, y, r in zip(ours, theirs, exact):
+        assert_as_accurate_as_torch(x, y, r)
 
 
 def test_only_needed_gradients():
@@ -191,7 +212,7 @@ def test_poisoned_gradients_fully_written():
     assert all(torch.isfinite(x).all() for x in ours)
 
 
-@pytest.mark.parametrize("shape", [(500, 2048), BULK_SHAPE])  # register loads, bulk copies
+@pytest.mark.parametrize("shape", [(500, 2048), BULK_SHAPE, (3, 100000)])
 def test_deterministic_gradients(shape):
     a, p, n = (x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=9))
     _, first = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
