@@ -267,7 +267,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   RowGrad<A, K, SWAP> rg;
   for (int64_t c = 0; c < ring.chunks.total; ++c) {
     const ChunkAt at = ring.chunks.at(args, c);
-    if (at.flat == at.row * args.dim) {  // a new row; before the wait: its loads overlap the copies
+    if (ring.chunks.unit_starts(c)) {  // a new row or slice; before the wait: loads overlap copies
       rg = row_grad<K, SWAP>(args, at.row);
       rg.scale(RowSums<A>{A(1), A(1), A(1)});
     }

@@ -315,7 +315,8 @@ struct TripletRows {
 // The copy engine streams each of a block's rows through a ring of kStages shared-memory stages
 // (cp.async.bulk: one chunk of up to kChunkBytes per input per stage), so memory sees few, large
 // requests and no registers hold data in flight; the whole block works on each stage from shared
-// memory. One team (the block) per row: rows b, b + grid, ... of block b, chunk after chunk.
+// memory. One team (the block) per row or row slice (RowChunks), or per range of a flat
+// contiguous array (FlatChunks), chunk after chunk.
 //   Forward: 4 stages x 3 inputs x 8 KiB = 96 KiB, 2 blocks per SM. Measured at (32768, 8192)
 //   fp32 on the H200 (scripts/variants.py): 0.717 ms against 0.747 ms for register loads;
 //   2 x 16 KiB tied; 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB, 4 x 16 KiB) were 13-50%
@@ -334,28 +335,37 @@ constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be wo
 // (rows, dim) gradients / flat view, and its length.
 struct ChunkAt {
   int64_t row;              // RowChunks: the row; FlatChunks: -1 (rows vary within a chunk)
+  int64_t unit;             // RowChunks: the unit (row * splits + slice); FlatChunks: -1
   int64_t off_a, off_p, off_n;
   int64_t flat;             // row * dim + first column: the offset in a contiguous layout
   int64_t elems;            // <= the chunk's capacity; 0 for none
 };
 
-// Rows b, b + grid, ... of block b, each cut into chunks (rows of any stride).
+// Units b, b + grid, ... of block b, each cut into chunks (rows of any stride). A unit is
+// slice u % splits of row u / splits: columns [slice * split_elems, + split_elems), the whole
+// row when splits = 1. A row's last slice may be shorter: its missing chunks are empty.
 template <typename T, int64_t kChunkElems>
 struct RowChunks {
-  int64_t per_row, total;
+  int64_t per_unit, total;
   __device__ __forceinline__ explicit RowChunks(const TripletRows<T>& args) {
-    per_row = (args.dim + kChunkElems - 1) / kChunkElems;
-    const int64_t my_rows =
-        args.rows > blockIdx.x ? (args.rows - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-    total = my_rows * per_row;
+    per_unit = (args.split_elems + kChunkElems - 1) / kChunkElems;
+    const int64_t units = args.rows * args.splits;
+    const int64_t my_units =
+        units > blockIdx.x ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    total = my_units * per_unit;
   }
   __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
-    const int64_t row = blockIdx.x + (c / per_row) * int64_t(gridDim.x);
-    const int64_t col = (c % per_row) * kChunkElems;
-    return {row, row * args.stride_a + col, row * args.stride_p + col, row * args.stride_n + col,
-            row * args.dim + col, min(kChunkElems, args.dim - col)};
+    const int64_t unit = blockIdx.x + (c / per_unit) * int64_t(gridDim.x);
+    const int64_t row = unit / args.splits;
+    const int64_t slice_first = (unit % args.splits) * args.split_elems;
+    const int64_t slice_end = min(slice_first + args.split_elems, args.dim);
+    const int64_t col = slice_first + (c % per_unit) * kChunkElems;
+    return {row, unit, row * args.stride_a + col, row * args.stride_p + col,
+            row * args.stride_n + col, row * args.dim + col,
+            max(int64_t(0), min(kChunkElems, slice_end - col))};
   }
-  __device__ __forceinline__ bool row_ends(int64_t c) const { return (c + 1) % per_row == 0; }
+  __device__ __forceinline__ bool unit_starts(int64_t c) const { return c % per_unit == 0; }
+  __device__ __forceinline__ bool unit_ends(int64_t c) const { return (c + 1) % per_unit == 0; }
 };
 
 // Contiguous inputs seen as one flat array of rows * dim elements: block b streams chunks
@@ -370,7 +380,7 @@ struct FlatChunks {
   }
   __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
     const int64_t flat = (first + c) * kChunkElems;
-    return {-1, flat, flat, flat, flat, min(kChunkElems, args.rows * args.dim - flat)};
+    return {-1, -1, flat, flat, flat, flat, min(kChunkElems, args.rows * args.dim - flat)};
   }
 };
 
@@ -400,7 +410,8 @@ struct BulkRing {
     const ChunkAt at = chunks.at(args, c);
     const uint32_t bytes = static_cast<uint32_t>(at.elems * sizeof(T));
     unsigned char* dst = stages + stage * 3 * kChunkBytes;
-    mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);
+    mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);  // 0 bytes: the arrival completes it
+    if (bytes == 0) return;
     bulk_copy_g2s(dst, args.a + at.off_a, bytes, &full[stage]);
     bulk_copy_g2s(dst + kChunkBytes, args.p + at.off_p, bytes, &full[stage]);
     bulk_copy_g2s(dst + 2 * kChunkBytes, args.n + at.off_n, bytes, &full[stage]);
@@ -432,10 +443,10 @@ inline int compute_capability_major(const at::Tensor& on) {
 }
 
 // Rows of at least one full chunk per input, 16-byte aligned and a 16-byte multiple long, on
-// sm_90+, whose rows get a whole block and are not split: the copy engine needs the alignments.
+// sm_90+, whose rows (or row slices) get a whole block: the copy engine needs the alignments.
 inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size,
                             bool vectorized, const at::Tensor& on) {
-  return vectorized && cfg.threads_per_row == kBlockThreads && cfg.splits == 1 &&
+  return vectorized && cfg.threads_per_row == kBlockThreads &&
          (dim * elem_size) % kVecBytes == 0 && dim * elem_size >= kBulkMinRowBytes &&
          compute_capability_major(on) >= 9;
 }

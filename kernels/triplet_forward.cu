@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// Long aligned rows: the copy engine streams each row through shared memory (BulkRing, in
-// triplet_common.cuh); the whole block reduces each stage.
+// Long aligned rows: the copy engine streams each row (or, for split rows, each slice) through
+// shared memory (BulkRing, in triplet_common.cuh); the whole block reduces each stage.
 template <typename T, NormKind K, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_forward_bulk_kernel(const ForwardArgs<T> args) {
@@ -182,9 +182,18 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
     }
     ring.release(args, c);
-    if (ring.chunks.row_ends(c)) {
+    if (ring.chunks.unit_ends(c)) {
       s = team_reduce<kBlockThreads>(s, norm, smem_rows);
-      if (threadIdx.x == 0) finish_row<SWAP>(args, norm, s, at.row, loss_sum);
+      if (threadIdx.x == 0) {
+        if (args.splits == 1) {
+          finish_row<SWAP>(args, norm, s, at.row, loss_sum);
+        } else {  // one slice of a split row: its partial sums, as the split kernel writes them
+          const int64_t slices = args.rows * args.splits;
+          args.partials[at.unit] = s.ap;
+          args.partials[slices + at.unit] = s.an;
+          args.partials[2 * slices + at.unit] = s.pn;
+        }
+      }
       s = RowSums<A>{norm.identity(), norm.identity(), norm.identity()};
     }
   }
@@ -319,8 +328,15 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
       constexpr bool SWAP = decltype(sw)::value;
       if constexpr (TPR == kBlockThreads) {
         if (cfg.splits > 1) {  // two launches whatever the reduction
-          triplet_forward_split_kernel<scalar_t, K, SWAP><<<cfg.grid, kBlockThreads, 0, stream>>>(
-              args);
+          if (bulk) {
+            launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
+                        BulkRing<scalar_t, kForwardStages, kForwardChunkBytes,
+                                 RowChunks>::kSmemBytes,
+                        cfg.grid, stream, args);
+          } else {
+            triplet_forward_split_kernel<scalar_t, K, SWAP><<<cfg.grid, kBlockThreads, 0,
+                                                              stream>>>(args);
+          }
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           finish_split_rows_kernel<scalar_t, K, SWAP><<<1, kBlockThreads, 0, stream>>>(
               args, divisor, reduction == kNone ? nullptr : loss.mutable_data_ptr<scalar_t>());

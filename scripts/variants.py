@@ -53,6 +53,8 @@ VARIANTS = {
     "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
     "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
+    "split_ldg": [("          if (bulk) {\n            launch_bulk(triplet_forward_bulk_kernel",
+                   "          if (false) {\n            launch_bulk(triplet_forward_bulk_kernel")],
     # backward (time with --backward): the bulk-copy ring's shape, stores, register loads
     "bwd_ring_4k_x6": [(BWD_STAGES, BWD_STAGES.replace("4", "6"))],  # 72 KiB: 3 blocks per SM
     "bwd_ring_8k_x4": [(BWD_CHUNK, BWD_CHUNK.replace("4096", "8192"))],  # 96 KiB: 2 per SM
