@@ -21,7 +21,7 @@ TPR_DEFAULT = "default: with_swap(k, std::integral_constant<int, kBlockThreads>{
 GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
 
-BULK = "return vectorized && cfg.threads_per_row == kBlockThreads && cfg.splits == 1 &&"
+BULK = "return vectorized && cfg.threads_per_row == kBlockThreads &&"
 STAGES = "constexpr int kForwardStages = 4;"
 CHUNK = "constexpr int kForwardChunkBytes = 8192;"
 BWD_STAGES = "constexpr int kBackwardStages = 4;"
