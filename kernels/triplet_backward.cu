@@ -156,8 +156,12 @@ __global__ void __launch_bounds__(kBlockThreads)
     triplet_backward_kernel(const BackwardArgs<T> args) {
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
-  // As forward: 4 packs per input in flight, 1 for general p (pow calls would spill).
-  constexpr int kUnroll = K == NormKind::kOther ? 1 : kBackwardUnroll;
+  // Packs per input in flight: 4 (fp32: 16 elements); 2 for 16-bit types, the same 16
+  // elements (unpacked to fp32 they need as many registers: 4 packs of bf16 took 170 registers,
+  // one block per SM); 1 for general p (pow calls would spill).
+  constexpr int kUnroll = K == NormKind::kOther ? 1
+                          : sizeof(T) == 2      ? kBackwardUnroll / 2
+                                                : kBackwardUnroll;
   constexpr int kRowsPerBlock = kBlockThreads / TPR;
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 

@@ -68,6 +68,10 @@ VARIANTS = {
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
+    # register-load backward, 16-bit types (time with --dtype bf16): 4 packs as fp32 (was main's)
+    "bwd_nobulk_16bit_u4": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")),
+                            (": sizeof(T) == 2      ? kBackwardUnroll / 2",
+                             ": sizeof(T) == 2      ? kBackwardUnroll")],
     "bwd_nobulk_u2_mb4": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")), (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
                           (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
     "bwd_nobulk_u1_mb6": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")), (BWD_UNROLL, BWD_UNROLL.replace("4", "1")),
