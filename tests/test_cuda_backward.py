@@ -133,19 +133,25 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
             assert_as_accurate_as_torch(x, y, r)
 
 
+@pytest.mark.parametrize("width", [(3000, 3008), (1024, 1032)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
-def test_bulk_copy_strided_rows_gradients(pnorm):
-    """x[:, :3000] of a (600, 3008) tensor: 16-byte aligned rows that are not contiguous take
-    the row-by-row bulk-copy backward (the flat one needs contiguous rows)."""
-    wide = [x.detach().requires_grad_() for x in rand_triplet((600, 3008), device=DEV, seed=20)]
-    views = [w[:, :3000] for w in wide]
+def test_aligned_strided_rows_gradients(pnorm, dtype, width):
+    """x[:, :D] of a wider tensor, rows 16-byte aligned but not contiguous: long rows take the
+    row-by-row bulk-copy backward, short ones the register-load kernel's vector path (the flat
+    kernel needs contiguous rows)."""
+    d, wide_d = width
+    wide = [x.detach().requires_grad_()
+            for x in rand_triplet((600, wide_d), dtype=dtype, device=DEV, seed=20)]
+    views = [w[:, :d] for w in wide]
     kw = dict(margin=2.0, p=pnorm, swap=True)
     ours = torch.autograd.grad(fused_loss(*views, margin=2.0, pnorm=pnorm, swap=True), wide)
     theirs = torch.autograd.grad(F.triplet_margin_loss(*views, **kw), wide)
     exact_in = [w.detach().double().requires_grad_() for w in wide]
-    exact = torch.autograd.grad(F.triplet_margin_loss(*[w[:, :3000] for w in exact_in], **kw),
+    exact = torch.autograd.grad(F.triplet_margin_loss(*[w[:, :d] for w in exact_in], **kw),
                                 exact_in)
     for x, y, r in zip(ours, theirs, exact):
+        assert x.dtype == dtype
         assert_as_accurate_as_torch(x, y, r)
 
 
