@@ -74,6 +74,9 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_
                "r"(bytes)
                : "memory");
 }
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   do {
@@ -410,8 +413,11 @@ struct BulkRing {
     const ChunkAt at = chunks.at(args, c);
     const uint32_t bytes = static_cast<uint32_t>(at.elems * sizeof(T));
     unsigned char* dst = stages + stage * 3 * kChunkBytes;
-    mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);  // 0 bytes: the arrival completes it
-    if (bytes == 0) return;
+    if (bytes == 0) {  // an empty chunk (a row's short last slice): the arrival completes it
+      mbarrier_arrive(&full[stage]);
+      return;
+    }
+    mbarrier_arrive_expect_tx(&full[stage], 3 * bytes);
     bulk_copy_g2s(dst, args.a + at.off_a, bytes, &full[stage]);
     bulk_copy_g2s(dst + kChunkBytes, args.p + at.off_p, bytes, &full[stage]);
     bulk_copy_g2s(dst + 2 * kChunkBytes, args.n + at.off_n, bytes, &full[stage]);
