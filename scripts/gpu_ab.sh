@@ -16,7 +16,7 @@ timeout 200 python3 -m pytest tests/test_cuda_backward.py tests/test_cuda.py -q 
   -k "bulk or flat or strided or split or deterministic or matches_torch or dtypes" \
   > "$out/pytest_ab.txt" 2>&1
 tail -3 "$out/pytest_ab.txt"
-timeout 120 bash scripts/sanitize.sh | tee "$out/sanitize_summary.txt"
+timeout 150 bash scripts/sanitize.sh | tee "$out/sanitize_summary.txt"
 wait
 timeout 80 python3 scripts/variants.py --backward $v base,bwd_rows_bulk | tee "$out/ab_32768x8192.txt"
 timeout 80 python3 scripts/variants.py --backward --shape 65536x1024 --dtype bf16 \
