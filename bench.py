@@ -6,7 +6,11 @@
     python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # issue 4's shapes
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
-flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. A
+flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. The
+device sleeps ~1 ms (torch.cuda._sleep) after each flush, before the start event, so the host has
+queued the whole call by the time the clock starts: the flushed times are device time, as in a
+training loop whose host runs ahead, not host launch latency (--host-latency times without the
+sleep, as bench.py did before 2026-11-29 session d). A
 fresh torch.compile per shape (torch._dynamo.reset()), so recompile limits never silently fall
 back to eager. Effective TB/s = bytes that must move (each input read once) / median time.
 Cases under 16 MiB of input also get a per-call time: back-to-back calls (no flush) over enough
@@ -28,6 +32,9 @@ import fused_triplet
 PEAK_TBPS = 4.8  # H200 HBM3e datasheet
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 DEFAULT_SHAPES = "32768x8192"
+# ~1 ms at the H200's 1.98 GHz: longer than any contender's host work per call (eager fwd+bwd
+# issues ~20 kernels), so every launch of the timed call is queued before its start event.
+DEVICE_LEAD_CYCLES = 2_000_000
 SWEEP_SHAPES = "1024x128,4096x512,128x4096,262144x256,65536x1024,32768x8192,16x4194304,4x16777216"
 SMALL_BYTES = 16 << 20
 
@@ -45,8 +52,10 @@ def make_inputs(shape, dtype, seed=0):
     return a.to(dtype), p.to(dtype), n.to(dtype)
 
 
-def time_interleaved(fns: dict, args, rounds: int, warmup: int):
-    """{name: [ms per round]}: each round calls every contender once, L2 flushed before each."""
+def time_interleaved(fns: dict, args, rounds: int, warmup: int, lead_cycles=None):
+    """{name: [ms per round]}: each round calls every contender once, L2 flushed before each,
+    then `lead_cycles` of device sleep so the host is ahead when the start event fires."""
+    lead_cycles = DEVICE_LEAD_CYCLES if lead_cycles is None else lead_cycles
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         for fn in fns.values():
@@ -56,6 +65,8 @@ def time_interleaved(fns: dict, args, rounds: int, warmup: int):
     for _ in range(rounds):
         for name, fn in fns.items():
             flush.zero_()
+            if lead_cycles:
+                torch.cuda._sleep(lead_cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(*args)
@@ -221,10 +232,15 @@ def main(argv=None) -> int:
                         help="time forward + backward (grads of all inputs), with peak extra memory")
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds fwd+bwd)")
+    parser.add_argument("--host-latency", action="store_true",
+                        help="no device sleep before each timed call: host launch latency counts")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of effective TB/s per case "
                         "(needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.host_latency:
+        global DEVICE_LEAD_CYCLES
+        DEVICE_LEAD_CYCLES = 0
     if args.sweep:
         args.shapes, args.dtypes = SWEEP_SHAPES, "fp32,bf16"
     if not torch.cuda.is_available():
@@ -254,7 +270,8 @@ def main(argv=None) -> int:
     if args.plot:
         plot(rows, args.plot, props.name)
     if args.json:
-        meta = {"gpu": props.name, "torch": torch.__version__, "date": str(datetime.date.today())}
+        meta = {"gpu": props.name, "torch": torch.__version__, "date": str(datetime.date.today()),
+                "device_lead_cycles": DEVICE_LEAD_CYCLES}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
     return 0

@@ -120,6 +120,7 @@ def time_one(name, shape, dtype_name, backward=False, rounds=50):
     times = []
     for _ in range(rounds):
         flush.zero_()
+        torch.cuda._sleep(2_000_000)  # host queues the whole call first: device time (bench.py)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn(a, p, n)
