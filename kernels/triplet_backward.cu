@@ -269,20 +269,22 @@ __global__ void __launch_bounds__(kBlockThreads)
 
   Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
   RowGrad<A, K, SWAP> rg;
-  for (int64_t c = 0; c < ring.chunks.total; ++c) {
-    const ChunkAt at = ring.chunks.at(args, c);
-    if (ring.chunks.unit_starts(c)) {  // a new row or slice; before the wait: loads overlap copies
-      rg = row_grad<K, SWAP>(args, at.row);
-      rg.scale(RowSums<A>{A(1), A(1), A(1)});
+  int64_t c = 0;  // unit by unit, chunk by chunk: no 64-bit division per chunk
+  for (int64_t i = 0; i < ring.chunks.units; ++i) {
+    const auto sp = ring.chunks.span(args, ring.chunks.unit(i));
+    rg = row_grad<K, SWAP>(args, sp.row);  // before the first wait: its loads overlap copies
+    rg.scale(RowSums<A>{A(1), A(1), A(1)});
+    for (int64_t k = 0; k < ring.chunks.per_unit; ++k, ++c) {
+      const int64_t col = sp.first + k * Ring::kChunkElems;
+      const int packs = static_cast<int>(ring.chunks.chunk_elems(sp, col) / kVec);
+      const unsigned char* stage = ring.wait(c);
+      for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
+        Pack<T> oa, op, on;
+        rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa, op, on);
+        store_grads(args, sp.row * args.dim + col + int64_t(v) * kVec, oa, op, on);
+      }
+      ring.release(args, c);
     }
-    const unsigned char* stage = ring.wait(c);
-    const int packs = static_cast<int>(at.elems / kVec);
-    for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
-      Pack<T> oa, op, on;
-      rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa, op, on);
-      store_grads(args, at.flat + int64_t(v) * kVec, oa, op, on);
-    }
-    ring.release(args, c);
   }
 #endif
 }

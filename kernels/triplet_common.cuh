@@ -349,26 +349,39 @@ struct ChunkAt {
 // row when splits = 1. A row's last slice may be shorter: its missing chunks are empty.
 template <typename T, int64_t kChunkElems>
 struct RowChunks {
-  int64_t per_unit, total;
+  int64_t per_unit, units, total;  // chunks per unit; this block's units; their chunks
   __device__ __forceinline__ explicit RowChunks(const TripletRows<T>& args) {
     per_unit = (args.split_elems + kChunkElems - 1) / kChunkElems;
-    const int64_t units = args.rows * args.splits;
-    const int64_t my_units =
-        units > blockIdx.x ? (units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-    total = my_units * per_unit;
+    const int64_t all_units = args.rows * args.splits;
+    units = all_units > blockIdx.x ? (all_units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+    total = units * per_unit;
+  }
+  // The block's i-th unit.
+  __device__ __forceinline__ int64_t unit(int64_t i) const {
+    return blockIdx.x + i * int64_t(gridDim.x);
+  }
+  // A unit's row and column range [first, end). No division for unsplit rows.
+  struct Span {
+    int64_t row, first, end;
+  };
+  __device__ __forceinline__ Span span(const TripletRows<T>& args, int64_t u) const {
+    if (args.splits == 1) return {u, 0, args.dim};
+    const int64_t row = u / args.splits;
+    const int64_t first = (u - row * args.splits) * args.split_elems;
+    return {row, first, min(first + args.split_elems, args.dim)};
+  }
+  // Chunk k of a unit: elements [col, col + chunk_elems(...)) of the row.
+  __device__ __forceinline__ static int64_t chunk_elems(const Span& sp, int64_t col) {
+    return max(int64_t(0), min(kChunkElems, sp.end - col));
   }
   __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
-    const int64_t unit = blockIdx.x + (c / per_unit) * int64_t(gridDim.x);
-    const int64_t row = unit / args.splits;
-    const int64_t slice_first = (unit % args.splits) * args.split_elems;
-    const int64_t slice_end = min(slice_first + args.split_elems, args.dim);
-    const int64_t col = slice_first + (c % per_unit) * kChunkElems;
-    return {row, unit, row * args.stride_a + col, row * args.stride_p + col,
-            row * args.stride_n + col, row * args.dim + col,
-            max(int64_t(0), min(kChunkElems, slice_end - col))};
+    const int64_t i = c / per_unit;
+    const int64_t u = unit(i);
+    const Span sp = span(args, u);
+    const int64_t col = sp.first + (c - i * per_unit) * kChunkElems;
+    return {sp.row, u, sp.row * args.stride_a + col, sp.row * args.stride_p + col,
+            sp.row * args.stride_n + col, sp.row * args.dim + col, chunk_elems(sp, col)};
   }
-  __device__ __forceinline__ bool unit_starts(int64_t c) const { return c % per_unit == 0; }
-  __device__ __forceinline__ bool unit_ends(int64_t c) const { return (c + 1) % per_unit == 0; }
 };
 
 // Contiguous inputs seen as one flat array of rows * dim elements: block b streams chunks

@@ -168,34 +168,40 @@ __global__ void __launch_bounds__(kBlockThreads)
   Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
   A loss_sum = A(0);
   RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
-  for (int64_t c = 0; c < ring.chunks.total; ++c) {
-    const unsigned char* stage = ring.wait(c);
-    const ChunkAt at = ring.chunks.at(args, c);
-    const int packs = static_cast<int>(at.elems / kVec);
-    for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
-      const Pack<T> pa = ring.pack(stage, 0, v), pp = ring.pack(stage, 1, v),
-                    pn = ring.pack(stage, 2, v);
+  // Unit by unit, chunk by chunk: no 64-bit division per chunk (at 8 KiB chunks each thread
+  // reduces only 2 packs per input; calling chunks.at() per chunk, three 64-bit divisions,
+  // measured 0.753 ms against 0.717 at (32768, 8192) fp32).
+  int64_t c = 0;
+  for (int64_t i = 0; i < ring.chunks.units; ++i) {
+    const int64_t unit = ring.chunks.unit(i);
+    const auto sp = ring.chunks.span(args, unit);
+    for (int64_t k = 0; k < ring.chunks.per_unit; ++k, ++c) {
+      const unsigned char* stage = ring.wait(c);
+      const int64_t col = sp.first + k * Ring::kChunkElems;
+      const int packs = static_cast<int>(ring.chunks.chunk_elems(sp, col) / kVec);
+      for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
+        const Pack<T> pa = ring.pack(stage, 0, v), pp = ring.pack(stage, 1, v),
+                      pn = ring.pack(stage, 2, v);
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        accumulate3<SWAP>(norm, s, to_acc<A>(pa.v[j]), to_acc<A>(pp.v[j]), to_acc<A>(pn.v[j]),
-                          args.eps);
-      }
-    }
-    ring.release(args, c);
-    if (ring.chunks.unit_ends(c)) {
-      s = team_reduce<kBlockThreads>(s, norm, smem_rows);
-      if (threadIdx.x == 0) {
-        if (args.splits == 1) {
-          finish_row<SWAP>(args, norm, s, at.row, loss_sum);
-        } else {  // one slice of a split row: its partial sums, as the split kernel writes them
-          const int64_t slices = args.rows * args.splits;
-          args.partials[at.unit] = s.ap;
-          args.partials[slices + at.unit] = s.an;
-          args.partials[2 * slices + at.unit] = s.pn;
+        for (int j = 0; j < kVec; ++j) {
+          accumulate3<SWAP>(norm, s, to_acc<A>(pa.v[j]), to_acc<A>(pp.v[j]),
+                            to_acc<A>(pn.v[j]), args.eps);
         }
       }
-      s = RowSums<A>{norm.identity(), norm.identity(), norm.identity()};
+      ring.release(args, c);
     }
+    s = team_reduce<kBlockThreads>(s, norm, smem_rows);
+    if (threadIdx.x == 0) {
+      if (args.splits == 1) {
+        finish_row<SWAP>(args, norm, s, sp.row, loss_sum);
+      } else {  // one slice of a split row: its partial sums, as the split kernel writes them
+        const int64_t slices = args.rows * args.splits;
+        args.partials[unit] = s.ap;
+        args.partials[slices + unit] = s.an;
+        args.partials[2 * slices + unit] = s.pn;
+      }
+    }
+    s = RowSums<A>{norm.identity(), norm.identity(), norm.identity()};
   }
   if (args.block_sums != nullptr && threadIdx.x == 0) args.block_sums[blockIdx.x] = loss_sum;
 #endif
