@@ -65,6 +65,7 @@ VARIANTS = {
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
     "bwd_rows_bulk": [(FLAT, FLAT.replace("true", "false"))],  # row-by-row ring, no flat kernel
+    "bwd_flat_all": [("\n                    !(bulk && cfg.splits == 1);", " true;")],  # long rows too
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
