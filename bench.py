@@ -4,6 +4,7 @@
     python bench.py --shapes 4096x512,16x4194304 --dtypes fp32,bf16 --json results.json
     python bench.py --backward            # forward + backward, effective TB/s over 9 x input bytes
     python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # issue 4's shapes
+    python bench.py --sweep --backward --shapes 1024x128,4096x512 --json part1.json   # a part
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
 flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. The
@@ -224,8 +225,10 @@ def plot(rows, path, gpu_name):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of BxD (default %(default)s)")
-    parser.add_argument("--dtypes", default="fp32", help="comma list of " + ",".join(DTYPES))
+    parser.add_argument("--shapes", help=f"comma list of BxD (default {DEFAULT_SHAPES}; "
+                        "with --sweep, its shapes)")
+    parser.add_argument("--dtypes", help="comma list of " + ",".join(DTYPES) +
+                        " (default fp32; with --sweep, fp32,bf16)")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds (median)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     parser.add_argument("--backward", action="store_true",
@@ -241,8 +244,10 @@ def main(argv=None) -> int:
     if args.host_latency:
         global DEVICE_LEAD_CYCLES
         DEVICE_LEAD_CYCLES = 0
-    if args.sweep:
-        args.shapes, args.dtypes = SWEEP_SHAPES, "fp32,bf16"
+    # --sweep with --shapes/--dtypes runs part of the sweep (forward and, with --backward,
+    # forward + backward): the whole one outlasts a 600 s device call.
+    args.shapes = args.shapes or (SWEEP_SHAPES if args.sweep else DEFAULT_SHAPES)
+    args.dtypes = args.dtypes or ("fp32,bf16" if args.sweep else "fp32")
     if not torch.cuda.is_available():
         print("bench.py: no CUDA GPU visible; nothing to benchmark.")
         return 0
