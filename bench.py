@@ -5,6 +5,7 @@
     python bench.py --backward            # forward + backward, effective TB/s over 9 x input bytes
     python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # issue 4's shapes
     python bench.py --sweep --backward --shapes 1024x128,4096x512 --json part1.json   # a part
+    python bench.py --merge part1.json part2.json --json sweep.json --plot sweep.png   # no GPU
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
 flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. The
@@ -192,6 +193,44 @@ def print_table(rows):
               f"{r['max_abs_err_vs_eager']:>9.2e}{extra}")
 
 
+def print_markdown(rows):
+    """README-style table: one line per (mode, shape, dtype), the three contenders side by side."""
+    print("| mode | shape | dtype | eager ms | compile ms | fused ms | fused TB/s | vs eager "
+          "| vs compile |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    cases = dict.fromkeys((r["mode"], "x".join(map(str, r["shape"])), r["dtype"]) for r in rows)
+    for mode, shape, dtype in cases:
+        by = {r["contender"]: r for r in rows
+              if (r["mode"], "x".join(map(str, r["shape"])), r["dtype"]) == (mode, shape, dtype)}
+        if not {"eager", "torch.compile", "fused_triplet"} <= by.keys():
+            continue
+        fused = by["fused_triplet"]
+        print(f"| {mode} | {shape} | {dtype} | {by['eager']['median_ms']:.4f} | "
+              f"{by['torch.compile']['median_ms']:.4f} | {fused['median_ms']:.4f} | "
+              f"{fused['tbps']:.2f} | {by['eager']['fused_speedup']:.2f}x | "
+              f"{by['torch.compile']['fused_speedup']:.2f}x |")
+
+
+def merge(paths, json_path, plot_path):
+    """Joins the JSON of several runs (parts of a sweep): tables, markdown, JSON and plot."""
+    rows, metas = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        metas.append(data["meta"])
+        rows += data["results"]
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        print_table([r for r in rows if r["mode"] == mode])
+    print_markdown(rows)
+    if plot_path:
+        plot(rows, plot_path, metas[0].get("gpu", "GPU") if metas else "GPU")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": {"merged_from": list(paths), "parts": metas}, "results": rows}, f,
+                      indent=1)
+    return 0
+
+
 def plot(rows, path, gpu_name):
     """Effective TB/s per case and contender, one panel per (mode, dtype), peak as a line."""
     try:
@@ -238,9 +277,13 @@ def main(argv=None) -> int:
     parser.add_argument("--host-latency", action="store_true",
                         help="no device sleep before each timed call: host launch latency counts")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="no timing: join earlier --json outputs (tables, --json, --plot)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of effective TB/s per case "
                         "(needs matplotlib)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json, args.plot)
     if args.host_latency:
         global DEVICE_LEAD_CYCLES
         DEVICE_LEAD_CYCLES = 0

@@ -14,3 +14,33 @@ def test_bench_without_gpu_exits_cleanly():
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "no CUDA GPU visible" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_merge_joins_parts_without_a_gpu(tmp_path):
+    """--merge joins sweep parts written by --json: tables, a markdown table and one JSON."""
+    import json
+
+    def row(contender, ms, speedup):
+        return {"shape": [4, 8], "dtype": "float32", "mode": "forward", "contender": contender,
+                "median_ms": ms, "min_ms": ms, "tbps": 1.0, "peak_pct": 20.0,
+                "max_abs_err_vs_eager": 0.0, "fused_speedup": speedup}
+
+    parts = []
+    for k, shape in enumerate(([4, 8], [2, 16])):
+        rows = [row("eager", 3.0, 3.0), row("torch.compile", 1.5, 1.5),
+                row("fused_triplet", 1.0, 1.0)]
+        for r in rows:
+            r["shape"] = shape
+        parts.append(tmp_path / f"part{k}.json")
+        parts[-1].write_text(json.dumps({"meta": {"gpu": "test"}, "results": rows}))
+    out = tmp_path / "merged.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--merge",
+                           *map(str, parts), "--json", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = "| forward | 4x8 | float32 | 3.0000 | 1.5000 | 1.0000 | 1.00 | 3.00x | 1.50x |"
+    assert line in proc.stdout
+    assert "| forward | 2x16 |" in proc.stdout
+    merged = json.loads(out.read_text())
+    assert len(merged["results"]) == 6 and len(merged["meta"]["parts"]) == 2
