@@ -54,10 +54,9 @@ def make_inputs(shape, dtype, seed=0):
     return a.to(dtype), p.to(dtype), n.to(dtype)
 
 
-def time_interleaved(fns: dict, args, rounds: int, warmup: int, lead_cycles=None):
+def time_interleaved(fns: dict, args, rounds: int, warmup: int):
     """{name: [ms per round]}: each round calls every contender once, L2 flushed before each,
-    then `lead_cycles` of device sleep so the host is ahead when the start event fires."""
-    lead_cycles = DEVICE_LEAD_CYCLES if lead_cycles is None else lead_cycles
+    then DEVICE_LEAD_CYCLES of device sleep so the host is ahead when the start event fires."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         for fn in fns.values():
@@ -67,8 +66,8 @@ def time_interleaved(fns: dict, args, rounds: int, warmup: int, lead_cycles=None
     for _ in range(rounds):
         for name, fn in fns.items():
             flush.zero_()
-            if lead_cycles:
-                torch.cuda._sleep(lead_cycles)
+            if DEVICE_LEAD_CYCLES:
+                torch.cuda._sleep(DEVICE_LEAD_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn(*args)

@@ -93,6 +93,7 @@ def apply(name):
 
 def time_one(name, shape, dtype_name, backward=False, rounds=50):
     import torch
+    from bench import DEVICE_LEAD_CYCLES
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     torch.manual_seed(0)
     a = (torch.rand(shape, device="cuda") * torch.rand((), device="cuda")).to(dtype)
@@ -121,7 +122,7 @@ def time_one(name, shape, dtype_name, backward=False, rounds=50):
     times = []
     for _ in range(rounds):
         flush.zero_()
-        torch.cuda._sleep(2_000_000)  # host queues the whole call first: device time (bench.py)
+        torch.cuda._sleep(DEVICE_LEAD_CYCLES)  # host queues the whole call first: device time
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn(a, p, n)
