@@ -56,7 +56,48 @@ def test_inputs_on_second_gpu_while_current_is_first():
 
 
 @requires_two_gpus
-def test_inputs_on_different_gpus_raise_torch_error():
-    a, p, n = rand_triplet((8, 16), device="cuda:0", seed=2)
-    p1 = p.to("cuda:1")
-    same_error(lambda: ft.triplet_margin_loss(a, p1, n), lambda: F.triplet_margin_loss(a, p1, n))
+@pytest.mark.parametrize("moved", [0, 1, 2])
+def test_inputs_on_different_gpus_raise_torch_error(moved):
+    inputs = list(rand_triplet((8, 16), device="cuda:0", seed=2))
+    inputs[moved] = inputs[moved].to("cuda:1")
+    same_error(lambda: ft.triplet_margin_loss(*inputs), lambda: F.triplet_margin_loss(*inputs))
+
+
+# One shape per backward kernel family: flat ring (short rows), row ring (whole rows >= 8 KiB),
+# split rows (few long rows), register loads (rows that are not 16-byte multiples).
+@requires_two_gpus
+@pytest.mark.parametrize("shape", [(4096, 256), (256, 8192), (4, 1 << 20), (300, 999)])
+def test_backward_on_second_gpu_while_current_is_first(shape):
+    torch.cuda.set_device(0)
+    inputs = rand_triplet(shape, device="cuda:1", seed=3)
+    ours = [x.clone().requires_grad_() for x in inputs]
+    theirs = [x.clone().requires_grad_() for x in inputs]
+    loss = ft.triplet_margin_loss(*ours)
+    loss.backward()
+    F.triplet_margin_loss(*theirs).backward()
+    assert loss.device == torch.device("cuda:1")
+    for x, y in zip(ours, theirs):
+        assert x.grad.device == torch.device("cuda:1")
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-4, atol=1e-6)
+    assert torch.cuda.current_device() == 0
+
+
+@requires_two_gpus
+def test_runs_on_second_gpus_current_stream_while_current_is_first():
+    """The kernel must run on cuda:1's current stream, even when cuda:0 is the current device:
+    that stream first sleeps, then overwrites the anchors; a launch on any other stream would
+    read the old anchors."""
+    torch.cuda.set_device(0)
+    a, p, n = rand_triplet((1024, 4096), device="cuda:1", seed=4)
+    fresh = rand_triplet((1024, 4096), device="cuda:1", seed=5)[0]
+    expected = ft.triplet_margin_loss(fresh, p, n, reduction="none")
+    torch.cuda.synchronize(1)
+    side = torch.cuda.Stream(device=1)
+    with torch.cuda.stream(side):  # makes cuda:1 current, with `side` its current stream
+        torch.cuda._sleep(50_000_000)  # ~25 ms on `side`
+        a.copy_(fresh)
+        torch.cuda.set_device(0)  # cuda:1's current stream stays `side`
+        out = ft.triplet_margin_loss(a, p, n, reduction="none")
+        assert torch.cuda.current_device() == 0
+    side.synchronize()
+    assert torch.equal(out, expected)
