@@ -113,21 +113,37 @@ struct RowGrad {
   }
 };
 
+// What one row's gradient scales are made of: its distances and upstream gradient. Loaded
+// apart from the math below so that a kernel can issue the next row's loads early and use them
+// a row later: a load used at once puts its latency (~1 us from DRAM) on the block's path.
+template <typename T>
+struct RowGradInputs {
+  acc_t<T> d_ap, d_an, d_pn;
+  T grad;
+};
+
+template <bool SWAP, typename T>
+__device__ __forceinline__ RowGradInputs<T> load_row_grad_inputs(const BackwardArgs<T>& args,
+                                                                 int64_t row) {
+  return {args.dists[row], args.dists[args.rows + row],
+          SWAP ? args.dists[2 * args.rows + row] : acc_t<T>(0), args.grad[row * args.grad_stride]};
+}
+
 // Distances and upstream gradients of one row (hinge, swap choice, reduction scale).
 template <NormKind K, bool SWAP, typename T>
 __device__ __forceinline__ RowGrad<acc_t<T>, K, SWAP> row_grad(const BackwardArgs<T>& args,
-                                                                int64_t row) {
+                                                                const RowGradInputs<T>& in) {
   using A = acc_t<T>;
   RowGrad<A, K, SWAP> r;
   r.prm = args.norm;
   r.eps = args.eps;
-  r.d_ap = args.dists[row];
-  r.d_an = args.dists[args.rows + row];
-  r.d_pn = SWAP ? args.dists[2 * args.rows + row] : A(0);
+  r.d_ap = in.d_ap;
+  r.d_an = in.d_an;
+  r.d_pn = in.d_pn;
   const A d_neg = SWAP ? min_nan(r.d_an, r.d_pn) : r.d_an;
   const A hinge_in = args.margin + r.d_ap - d_neg;
   const bool active = hinge_in > A(0) || (hinge_in == A(0) && args.hinge_at_zero);
-  const A g = active ? to_acc<A>(args.grad[row * args.grad_stride]) * args.grad_scale : A(0);
+  const A g = active ? to_acc<A>(in.grad) * args.grad_scale : A(0);
   A w_an = A(1), w_pn = A(0);
   if constexpr (SWAP) {
     w_an = r.d_an > r.d_pn ? A(0) : (r.d_an == r.d_pn ? A(0.5) : A(1));
@@ -137,6 +153,12 @@ __device__ __forceinline__ RowGrad<acc_t<T>, K, SWAP> row_grad(const BackwardArg
   r.g_an = -g * w_an;
   r.g_pn = -g * w_pn;
   return r;
+}
+
+template <NormKind K, bool SWAP, typename T>
+__device__ __forceinline__ RowGrad<acc_t<T>, K, SWAP> row_grad(const BackwardArgs<T>& args,
+                                                                int64_t row) {
+  return row_grad<K, SWAP>(args, load_row_grad_inputs<SWAP>(args, row));
 }
 
 // Writes the needed gradients of one pack at element offset `at` of the contiguous outputs.
@@ -269,11 +291,21 @@ __global__ void __launch_bounds__(kBlockThreads)
 
   Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
   RowGrad<A, K, SWAP> rg;
+  // Each row's distances and upstream gradient are loaded a row ahead: used at once, their
+  // latency stalled every thread at each row start while the ring drained.
+  RowGradInputs<T> next{};
+  if (ring.chunks.units > 0) {
+    next = load_row_grad_inputs<SWAP>(args, ring.chunks.span(args, ring.chunks.unit(0)).row);
+  }
   int64_t c = 0;  // unit by unit, chunk by chunk: no 64-bit division per chunk
   for (int64_t i = 0; i < ring.chunks.units; ++i) {
     const auto sp = ring.chunks.span(args, ring.chunks.unit(i));
-    rg = row_grad<K, SWAP>(args, sp.row);  // before the first wait: its loads overlap copies
+    rg = row_grad<K, SWAP>(args, next);
     rg.scale(RowSums<A>{A(1), A(1), A(1)});
+    if (i + 1 < ring.chunks.units) {
+      next = load_row_grad_inputs<SWAP>(args,
+                                        ring.chunks.span(args, ring.chunks.unit(i + 1)).row);
+    }
     for (int64_t k = 0; k < ring.chunks.per_unit; ++k, ++c) {
       const int64_t col = sp.first + k * Ring::kChunkElems;
       const int packs = static_cast<int>(ring.chunks.chunk_elems(sp, col) / kVec);
@@ -292,8 +324,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 // Contiguous inputs whose rows are 16-byte multiples, p = 2 or 1, sm_90: given the per-row
 // scales the gradient is elementwise, so the three inputs stream through the bulk-copy ring as
 // flat arrays, chunks_per_block chunks per block, across row boundaries: short rows, long rows
-// and too few rows to fill the GPU alike. The scales of the rows a chunk touches are computed
-// into a shared-memory table (two, alternating) while the chunk before it is worked on.
+// and too few rows to fill the GPU alike. The scales of every row the block touches are computed
+// into a shared-memory table once, up front, while the first copies land: computed per chunk,
+// each chunk waited on its rows' dists and grad loads (flat_table_rows sizes the table).
 template <typename T, NormKind K, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_backward_flat_kernel(const BackwardArgs<T> args, int64_t chunks_per_block) {
@@ -304,13 +337,13 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes, FlatChunks>;
-  // Rows one chunk can touch: rows are at least one pack long and chunks start on a pack.
-  constexpr int kMaxRows = static_cast<int>(Ring::kChunkElems / kVec) + 2;
-  extern __shared__ __align__(128) unsigned char stage_mem[];
+  extern __shared__ __align__(128) unsigned char stage_mem[];  // the ring's stages, the table
   __shared__ __align__(8) uint64_t full[kBackwardStages];
-  __shared__ RowSums<A> scales[2][kMaxRows];  // c_ap, c_an, c_pn of each row; double-buffered
 
   Ring ring(args, stage_mem, full, FlatChunks<T, Ring::kChunkElems>(args, chunks_per_block));
+  if (ring.chunks.total == 0) return;  // the whole block: no barrier after this is waited on
+  // c_ap, c_an, c_pn of each row the block touches, from its first row on.
+  RowSums<A>* const table = reinterpret_cast<RowSums<A>*>(stage_mem + Ring::kSmemBytes);
   const int64_t dim = args.dim;
   constexpr int64_t kStep = Ring::kChunkElems;  // a block's chunks are consecutive
   // Whole rows within x < dim + kStep elements: 0 or 1 for rows of at least a chunk, else a
@@ -320,42 +353,35 @@ __global__ void __launch_bounds__(kBlockThreads)
     return dim >= kStep ? 1 : static_cast<int>(static_cast<uint32_t>(x) /
                                                static_cast<uint32_t>(dim));
   };
-  // Row and column where chunk c starts, advanced chunk by chunk.
-  int64_t row = 0, col = 0;
-  if (ring.chunks.total > 0) {
-    const int64_t flat = ring.chunks.at(args, 0).flat;
-    row = flat / dim;
-    col = flat - row * dim;
+  const ChunkAt first = ring.chunks.at(args, 0);
+  const ChunkAt last = ring.chunks.at(args, ring.chunks.total - 1);
+  const int64_t row0 = first.flat / dim;
+  const int table_rows = static_cast<int>((last.flat + last.elems - 1) / dim - row0 + 1);
+  for (int r = threadIdx.x; r < table_rows; r += kBlockThreads) {
+    RowGrad<A, K, SWAP> g = row_grad<K, SWAP>(args, row0 + r);
+    g.scale(RowSums<A>{A(1), A(1), A(1)});
+    table[r] = RowSums<A>{g.c_ap, g.c_an, g.c_pn};
   }
-  auto fill = [&](int64_t c, int64_t row0, int64_t col0, RowSums<A>* table) {
-    const int rows_here = rows_in(col0 + ring.chunks.at(args, c).elems - 1) + 1;
-    for (int r = threadIdx.x; r < rows_here; r += kBlockThreads) {
-      RowGrad<A, K, SWAP> g = row_grad<K, SWAP>(args, row0 + r);
-      g.scale(RowSums<A>{A(1), A(1), A(1)});
-      table[r] = RowSums<A>{g.c_ap, g.c_an, g.c_pn};
-    }
-  };
-  if (ring.chunks.total > 0) fill(0, row, col, scales[0]);
   __syncthreads();
+  // Table row and column where chunk c starts, advanced chunk by chunk.
+  int row = 0;
+  int64_t col = first.flat - row0 * dim;
 
   RowGrad<A, K, SWAP> rg;  // for p = 2 and 1 the element gradient needs only the scales
   rg.prm = args.norm;
   rg.eps = args.eps;
   rg.d_ap = rg.d_an = rg.d_pn = A(0);
   for (int64_t c = 0; c < ring.chunks.total; ++c) {
-    const int64_t col0 = col;  // this chunk's first column
+    const int64_t col0 = col;  // this chunk's first column, in table row row_c
+    const int row_c = row;
     const int next_rows = rows_in(col + kStep);
     row += next_rows;
     col += kStep - next_rows * dim;
-    // The next chunk's table first: its loads overlap this chunk's copy wait and work; the
-    // release barrier below publishes it.
-    if (c + 1 < ring.chunks.total) fill(c + 1, row, col, scales[(c + 1) & 1]);
     const unsigned char* stage = ring.wait(c);
     const ChunkAt at = ring.chunks.at(args, c);
-    const RowSums<A>* table = scales[c & 1];
     const int packs = static_cast<int>(at.elems / kVec);
     for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
-      const RowSums<A> sc = table[rows_in(col0 + int64_t(v) * kVec)];
+      const RowSums<A> sc = table[row_c + rows_in(col0 + int64_t(v) * kVec)];
       rg.c_ap = sc.ap;
       rg.c_an = sc.an;
       rg.c_pn = sc.pn;
@@ -370,12 +396,26 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Flat chunks per block: up to 8 (32 KiB per input at 4 KiB chunks, what one block of the row
 // kernel streams at (32768, 8192) fp32), fewer where that would leave fewer than kFillBlocks
-// blocks. The gradient has no reduction, so this choice does not change any bit.
+// blocks, or where the scales of the rows a block touches would take more than kFlatTableBytes
+// of shared memory (tiny rows; one chunk's rows always fit: <= 258 rows of 24 bytes). The
+// gradient has no reduction, so this choice does not change any bit.
 constexpr bool kFlatBackward = true;  // false: the row kernel (A/B in scripts/variants.py)
 constexpr int64_t kFlatMaxChunksPerBlock = 8;
+constexpr int64_t kFlatTableBytes = 8192;
 
-inline int64_t flat_chunks_per_block(int64_t chunks) {
-  return std::max<int64_t>(1, std::min(kFlatMaxChunksPerBlock, chunks / kFillBlocks));
+// Rows that per_block consecutive chunks can touch (a table entry each).
+inline int64_t flat_table_rows(int64_t per_block, int64_t chunk_elems, int64_t dim) {
+  return (per_block * chunk_elems - 1) / dim + 2;
+}
+
+inline int64_t flat_chunks_per_block(int64_t chunks, int64_t chunk_elems, int64_t dim,
+                                     int64_t entry_bytes) {
+  int64_t per_block = std::max<int64_t>(1, std::min(kFlatMaxChunksPerBlock, chunks / kFillBlocks));
+  while (per_block > 1 &&
+         flat_table_rows(per_block, chunk_elems, dim) * entry_bytes > kFlatTableBytes) {
+    --per_block;
+  }
+  return per_block;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
@@ -451,10 +491,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
         if (flat) {
           const int64_t chunk_elems = kBackwardChunkBytes / static_cast<int64_t>(sizeof(scalar_t));
           const int64_t chunks = (rows * dim + chunk_elems - 1) / chunk_elems;
-          const int64_t per_block = flat_chunks_per_block(chunks);
+          constexpr int64_t kEntry = sizeof(RowSums<A>);
+          const int64_t per_block = flat_chunks_per_block(chunks, chunk_elems, dim, kEntry);
+          const int64_t table_bytes =
+              std::min(rows, flat_table_rows(per_block, chunk_elems, dim)) * kEntry;
           launch_bulk(triplet_backward_flat_kernel<scalar_t, K, SWAP>,
                       BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes,
-                               FlatChunks>::kSmemBytes,
+                               FlatChunks>::kSmemBytes + static_cast<int>(table_bytes),
                       (chunks + per_block - 1) / per_block, stream, args, per_block);
           return;
         }

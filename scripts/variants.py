@@ -3,6 +3,8 @@ built in parallel (one process each: the op namespace can be registered once per
 timed one after another on the GPU against torch.compile. A tuning aid, not part of the library.
 
     python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b] [--backward]
+
+`--only base,tree=.ab/main` times this checkout's kernels against another checkout's.
 """
 
 import argparse
@@ -81,7 +83,16 @@ VARIANTS = {
 
 
 def apply(name):
+    """Builds variant `name`: VARIANTS' edits of the kernel sources, or `tree=DIR`: the kernel
+    sources of another checkout (e.g. `git archive main | tar -x -C .ab/main`, for A/B)."""
     import fused_triplet as ft
+    if name.startswith("tree="):
+        folder = os.path.join(name.split("=", 1)[1], "kernels")
+        for k in ft.KERNEL_SOURCES:
+            with open(os.path.join(folder, k), encoding="utf-8") as f:
+                ft.KERNEL_SOURCES[k] = f.read()
+        ft.build()
+        return ft
     for old, new in VARIANTS[name]:
         hits = [k for k, text in ft.KERNEL_SOURCES.items() if old in text]
         assert hits, f"{name}: {old!r} not found"
@@ -150,7 +161,9 @@ def main():
         else:
             time_one(name, shape, args.dtype, args.backward)
         return
-    names = [n for n in VARIANTS if not args.only or n in args.only.split(",")]
+    wanted = args.only.split(",") if args.only else []
+    names = [n for n in VARIANTS if not wanted or n in wanted]
+    names += [n for n in wanted if n.startswith("tree=")]
     me = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--dtype", args.dtype]
     me += ["--backward"] if args.backward else []
     builds = [subprocess.Popen(me + ["--child", "build", n], stdout=subprocess.DEVNULL,
