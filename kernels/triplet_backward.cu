@@ -402,6 +402,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 constexpr bool kFlatBackward = true;  // false: the row kernel (A/B in scripts/variants.py)
 constexpr int64_t kFlatMaxChunksPerBlock = 8;
 constexpr int64_t kFlatTableBytes = 8192;
+constexpr int64_t kFlatFewRows = kFillBlocks;  // 0: whole rows >= 8 KiB always take the row ring
 
 // Rows that per_block consecutive chunks can touch (a table entry each).
 inline int64_t flat_table_rows(int64_t per_block, int64_t chunk_elems, int64_t dim) {
@@ -459,14 +460,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
   const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, anchor);
   const bool contiguous_rows =
       rows == 1 || (a.stride(0) == dim && pos.stride(0) == dim && neg.stride(0) == dim);
-  // Whole rows of >= 8 KiB keep the row kernel: at (32768, 8192) fp32 fwd+bwd the flat one
-  // measured 2.333 ms against 2.324 (no per-pack row lookup there). Short rows and split rows
-  // take the flat kernel: (65536, 1024) bf16 0.326 ms against 0.437 (register loads), and
-  // (16, 4194304) fp32 0.603 against 0.658.
+  // Many whole rows of >= 8 KiB keep the row kernel: at (32768, 8192) fp32 fwd+bwd the flat
+  // one measured 2.333 ms against 2.324 (no per-pack row lookup there). Short rows, split rows
+  // and fewer than kFlatFewRows rows (a block per row would leave SMs idle; flat chunks give
+  // 2+ blocks per row) take the flat kernel: (65536, 1024) bf16 0.326 ms against 0.437
+  // (register loads), and (16, 4194304) fp32 0.603 against 0.658.
   const bool flat = kFlatBackward && vectorized && contiguous_rows &&
                     (dim * anchor.element_size()) % kVecBytes == 0 &&
                     norm_kind(p) != NormKind::kOther && compute_capability_major(anchor) >= 9 &&
-                    !(bulk && cfg.splits == 1);
+                    !(bulk && cfg.splits == 1 && rows >= kFlatFewRows);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, anchor.scalar_type(),

@@ -32,6 +32,8 @@ BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), 
             "anchor);\n  const bool contiguous_rows")
 BWD_NOBULK = (BWD_BULK, "const bool bulk = false;\n  const bool contiguous_rows")
 FLAT = "constexpr bool kFlatBackward = true;"
+TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
+FEW_ROWS = "constexpr int64_t kFlatFewRows = kFillBlocks;"
 FLAT_PER_BLOCK = "constexpr int64_t kFlatMaxChunksPerBlock = 8;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
@@ -66,6 +68,8 @@ VARIANTS = {
     "bwd_ring_4k_x3": [(BWD_STAGES, BWD_STAGES.replace("4", "3"))],  # 36 KiB: 6 per SM
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
+    "team_by_length": [(TEAM_FILL, TEAM_FILL.replace("kFillBlocks;", "0;"))],  # before
+    "bwd_few_rows_ring": [(FEW_ROWS, FEW_ROWS.replace("kFillBlocks;", "0;"))],  # before
     "bwd_rows_bulk": [(FLAT, FLAT.replace("true", "false"))],  # row-by-row ring, no flat kernel
     "bwd_flat_all": [("\n                    !(bulk && cfg.splits == 1);", " true;")],  # long rows too
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],

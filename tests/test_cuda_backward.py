@@ -133,6 +133,34 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
             assert_as_accurate_as_torch(x, y, r)
 
 
+# Team sizes on both sides of choose_row_config's fill rule: many rows keep teams of 8 and 32
+# threads with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256,
+# bulk forward) and, with whole rows >= 8 KiB, the flat backward instead of the row ring.
+TEAM_SHAPES = [((32768, 64), torch.float32), ((8192, 520), torch.float32),
+               ((1024, 128), torch.float32), ((128, 2048), torch.bfloat16),
+               ((128, 4096), torch.bfloat16), ((100, 4096), torch.float32)]
+
+
+@pytest.mark.parametrize("shape, dtype", TEAM_SHAPES)
+@pytest.mark.parametrize("pnorm", [2.0, math.inf, 3.0])
+def test_team_sizes_forward_and_gradients(shape, dtype, pnorm):
+    a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=23)
+    upstream = torch.rand(shape[0], device=DEV, dtype=dtype)
+    kw = dict(margin=2.0, p=pnorm, swap=True, reduction="none")
+    exact_out, exact = grads(lambda *x: F.triplet_margin_loss(*x, **kw),
+                             [x.detach().double().requires_grad_() for x in (a, p, n)],
+                             upstream.double())
+    xs = [x.detach().clone().requires_grad_() for x in (a, p, n)]
+    out, ours = grads(lambda *x: fused_loss(*x, margin=2.0, pnorm=pnorm, swap=True,
+                                            reduction="none"), xs, upstream)
+    ref_out, theirs = grads(lambda *x: F.triplet_margin_loss(*x, **kw), xs, upstream)
+    assert_as_accurate_as_torch(out, ref_out, exact_out,
+                                distance_scale(a, p, n, pnorm, 1e-6, True))
+    for x, y, r in zip(ours, theirs, exact):
+        assert x.dtype == dtype
+        assert_as_accurate_as_torch(x, y, r)
+
+
 @pytest.mark.parametrize("width", [(3000, 3008), (1024, 1032)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
