@@ -71,7 +71,7 @@ VARIANTS = {
     "team_by_length": [(TEAM_FILL, TEAM_FILL.replace("kFillBlocks;", "0;"))],  # before
     "bwd_few_rows_ring": [(FEW_ROWS, FEW_ROWS.replace("kFillBlocks;", "0;"))],  # before
     "bwd_rows_bulk": [(FLAT, FLAT.replace("true", "false"))],  # row-by-row ring, no flat kernel
-    "bwd_flat_all": [("\n                    !(bulk && cfg.splits == 1);", " true;")],  # long rows too
+    "bwd_flat_all": [("\n                    !(bulk && cfg.splits == 1 && rows >= kFlatFewRows);", " true;")],  # long rows too
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
