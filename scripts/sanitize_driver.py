@@ -2,8 +2,9 @@
 
 Forward: teams of 8, 32 and 256 threads, the bulk-copy kernel (4 x 8192), split rows and their
 combining kernel (3 x 20000), the scalar (unaligned) path, every norm kind, swap, each
-reduction; backward for the same (aligned contiguous rows, short or long, take the flat
-bulk-copy backward for p = 2 / 1: (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)).
+reduction; backward for the same (aligned contiguous rows take the flat bulk-copy backward for
+p = 2 / 1: (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000); 1024 rows of 8 KiB, the row
+ring).
 """
 import math
 import os
@@ -15,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fused_triplet as ft  # noqa: E402
 
 torch.manual_seed(0)
-shapes = [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)]
+shapes = [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000),
+          (1024, 2048)]
 for shape in shapes:
     for offset in (0, 1):  # 1: misaligned storage, the scalar path
         base = [torch.rand(shape[0] * shape[1] + offset, device="cuda") for _ in range(3)]

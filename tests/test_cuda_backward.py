@@ -100,11 +100,12 @@ def test_other_dtypes_close_to_fp64(dtype):
             assert (x.double() - r).abs().max() <= (t.double() - r).abs().max() * 1.01 + 1e-7
 
 
-BULK_SHAPE = (600, 3000)  # >= 512 rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk
-# Contiguous inputs with 16-byte rows take the flat bulk-copy backward on sm_90, whatever the
-# row length: chunks that cross rows (3000, 100 fp32), 16-byte rows (8 fp32 / bf16: hundreds of
-# rows per chunk), few long rows (3 x 100000, split in forward).
-FLAT_SHAPES = [BULK_SHAPE, (4096, 8), (2048, 100), (3, 100000)]
+# >= 1024 whole rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk: the row ring.
+BULK_SHAPE = (1100, 3000)
+# Other contiguous inputs with 16-byte rows take the flat bulk-copy backward on sm_90: fewer
+# long rows, with chunks that cross rows (600 x 3000, 2048 x 100 fp32), 16-byte rows (8 fp32 /
+# bf16: hundreds of rows per chunk), few long rows (3 x 100000, split in forward).
+FLAT_SHAPES = [BULK_SHAPE, (600, 3000), (4096, 8), (2048, 100), (3, 100000)]
 
 
 @pytest.mark.parametrize("shape", FLAT_SHAPES)
@@ -246,7 +247,9 @@ def test_poisoned_gradients_fully_written():
     assert all(torch.isfinite(x).all() for x in ours)
 
 
-@pytest.mark.parametrize("shape", [(500, 2048), BULK_SHAPE, (3, 100000)])
+# Register loads (2047: rows not 16-byte multiples), the flat kernel (500 x 2048, 3 x 100000),
+# the row ring (BULK_SHAPE).
+@pytest.mark.parametrize("shape", [(500, 2047), (500, 2048), BULK_SHAPE, (3, 100000)])
 def test_deterministic_gradients(shape):
     a, p, n = (x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=9))
     _, first = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
