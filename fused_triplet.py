@@ -165,10 +165,12 @@ def _finish_loading(path: str) -> str:
 
 def _hinge_passes_at_zero() -> bool:
     """Whether the installed torch's clamp_min passes the gradient at exactly its bound (torch up
-    to 2.13 does, 2.14 does not); the fused backward does the same."""
-    x = torch.zeros((), requires_grad=True)
-    x.clamp_min(0).backward()
-    return bool(x.grad != 0)
+    to 2.13 does, 2.14 does not); the fused backward does the same. Autograd on for the probe:
+    the library loads on first use, which may come under no_grad or inference_mode."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.zeros((), requires_grad=True)
+        (grad,) = torch.autograd.grad(x.clamp_min(0), x)
+    return bool(grad != 0)
 
 
 def _triplet_fake(anchor, positive, negative, margin, p, eps, swap, reduction):
@@ -190,9 +192,14 @@ def _triplet_setup_context(ctx, inputs, output):
     ctx.save_for_backward(anchor, positive, negative, output[1])
     ctx.options = (margin, p, eps, swap, reduction)
     ctx.mark_non_differentiable(output[1])
+    # dists never gets a gradient: without this, autograd fills a zero one on every backward
+    # (a kernel launch). grad_loss then is None only when the loss did not reach the output.
+    ctx.set_materialize_grads(False)
 
 
 def _triplet_backward(ctx, grad_loss, _grad_dists):
+    if grad_loss is None:
+        return (None,) * 8
     anchor, positive, negative, dists = ctx.saved_tensors
     needed = list(ctx.needs_input_grad[:3])
     if torch.is_grad_enabled():

@@ -181,3 +181,12 @@ def test_cuda_source_is_one_translation_unit():
     assert "__global__" in src and "TORCH_LIBRARY(fused_triplet" in src
     assert '#include "' not in src
     assert list(ft.KERNEL_SOURCES)[0].endswith(".cuh")
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_hinge_probe_works_with_autograd_off(mode):
+    """The library loads on first CUDA use, which may come under no_grad or inference_mode: the
+    probe of torch's clamp_min gradient at 0 must still run autograd and agree."""
+    expected = ft._hinge_passes_at_zero()
+    with getattr(torch, mode)():
+        assert ft._hinge_passes_at_zero() == expected

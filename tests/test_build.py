@@ -125,6 +125,7 @@ with FakeTensorMode():
         ctx = types.SimpleNamespace()
         ctx.save_for_backward = lambda *t: setattr(ctx, "saved_tensors", t)
         ctx.mark_non_differentiable = lambda *t: None
+        ctx.set_materialize_grads = lambda value: None
         ft._triplet_setup_context(ctx, (*x, 1.0, 2.0, 1e-6, swap, red), (loss, dists))
         ctx.needs_input_grad = (True, False, True) + (False,) * 5
         with torch.no_grad():  # as the autograd engine runs it (no create_graph)

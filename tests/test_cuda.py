@@ -341,6 +341,28 @@ def test_first_call_inside_torch_compile_fullgraph():
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_first_call_under_no_grad_or_inference_mode(mode):
+    """A fresh process whose first fused call (which loads the library and probes torch's
+    clamp_min gradient) comes with autograd off, as in an evaluation loop; then a backward."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = ("import torch, fused_triplet as ft\n"
+            "x = [torch.rand(64, 256, device='cuda') for _ in range(3)]\n"
+            f"with torch.{mode}():\n"
+            "    got = ft.triplet_margin_loss(*x)\n"
+            "want = torch.nn.TripletMarginLoss()(*x)\n"
+            "assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got, want)\n"
+            "x[0].requires_grad_()\n"
+            "ft.triplet_margin_loss(*x).backward()\n"
+            "assert x[0].grad.isfinite().all()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_module_and_model_new_on_cuda():
     a, p, n = rand_triplet((256, 1024), device=DEV, seed=24)
     for kw in (dict(), dict(margin=0.2, p=1, swap=True, reduction="sum")):
