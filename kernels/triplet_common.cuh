@@ -346,8 +346,6 @@ constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be wo
 // Where chunk c of a block's sequence lies: element offsets in a, p, n and in the contiguous
 // (rows, dim) gradients / flat view, and its length.
 struct ChunkAt {
-  int64_t row;              // RowChunks: the row; FlatChunks: -1 (rows vary within a chunk)
-  int64_t unit;             // RowChunks: the unit (row * splits + slice); FlatChunks: -1
   int64_t off_a, off_p, off_n;
   int64_t flat;             // row * dim + first column: the offset in a contiguous layout
   int64_t elems;            // <= the chunk's capacity; 0 for none
@@ -388,7 +386,7 @@ struct RowChunks {
     const int64_t u = unit(i);
     const Span sp = span(args, u);
     const int64_t col = sp.first + (c - i * per_unit) * kChunkElems;
-    return {sp.row, u, sp.row * args.stride_a + col, sp.row * args.stride_p + col,
+    return {sp.row * args.stride_a + col, sp.row * args.stride_p + col,
             sp.row * args.stride_n + col, sp.row * args.dim + col, chunk_elems(sp, col)};
   }
 };
@@ -405,7 +403,7 @@ struct FlatChunks {
   }
   __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
     const int64_t flat = (first + c) * kChunkElems;
-    return {-1, -1, flat, flat, flat, flat, min(kChunkElems, args.rows * args.dim - flat)};
+    return {flat, flat, flat, flat, min(kChunkElems, args.rows * args.dim - flat)};
   }
 };
 
