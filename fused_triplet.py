@@ -157,9 +157,10 @@ def _finish_loading(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Op registration: the schemas and CUDA kernels live in C++ (kernels/register_ops.cu); the fake
-# kernels (shapes and dtypes only, for torch.compile and FakeTensor) and the autograd formula
-# (the fused backward op) are registered here once the library is loaded.
+# Op registration: the schemas, CUDA kernels and the forward's autograd (whose backward is the
+# fused backward op) live in C++ (kernels/register_ops.cu, kernels/triplet_autograd.cu); the
+# fake kernels (shapes and dtypes only, for torch.compile and FakeTensor) and the clamp_min
+# convention the backward follows are registered here once the library is loaded.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -187,35 +188,6 @@ def _triplet_backward_fake(grad, anchor, positive, negative, dists, margin, p, e
                  for x, needed in zip((anchor, positive, negative), output_mask))
 
 
-def _triplet_setup_context(ctx, inputs, output):
-    anchor, positive, negative, margin, p, eps, swap, reduction = inputs
-    ctx.save_for_backward(anchor, positive, negative, output[1])
-    ctx.options = (margin, p, eps, swap, reduction)
-    ctx.mark_non_differentiable(output[1])
-    # dists never gets a gradient: without this, autograd fills a zero one on every backward
-    # (a kernel launch). grad_loss then is None only when the loss did not reach the output.
-    ctx.set_materialize_grads(False)
-
-
-def _triplet_backward(ctx, grad_loss, _grad_dists):
-    if grad_loss is None:
-        return (None,) * 8
-    anchor, positive, negative, dists = ctx.saved_tensors
-    needed = list(ctx.needs_input_grad[:3])
-    if torch.is_grad_enabled():
-        # create_graph=True (double backward): the fused backward kernel is not differentiable,
-        # so differentiate torch's own formula on the saved inputs; its gradients are.
-        inputs = [x for x, need in zip((anchor, positive, negative), needed) if need]
-        with torch.enable_grad():
-            loss = _torch_triplet_margin_loss(anchor, positive, negative, *ctx.options)
-        found = iter(torch.autograd.grad(loss, inputs, grad_loss, create_graph=True))
-        grads = [next(found) if need else None for need in needed]
-    else:
-        grads = torch.ops.fused_triplet.triplet_margin_loss_backward(
-            grad_loss, anchor, positive, negative, dists, *ctx.options, _HINGE_AT_ZERO, needed)
-    return tuple(g if need else None for g, need in zip(grads, needed)) + (None,) * 5
-
-
 _HINGE_AT_ZERO = None
 _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once loaded
 
@@ -223,12 +195,11 @@ _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once 
 def _register_python_parts() -> None:
     global _HINGE_AT_ZERO, _TRIPLET_OP
     _HINGE_AT_ZERO = _hinge_passes_at_zero()
+    torch.ops.fused_triplet.set_hinge_at_zero(_HINGE_AT_ZERO)
     _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
     torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
     torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
         _triplet_backward_fake)
-    torch.library.register_autograd("fused_triplet::triplet_margin_loss", _triplet_backward,
-                                    setup_context=_triplet_setup_context)
 
 
 def _ops():
@@ -354,8 +325,8 @@ def _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             anchor.requires_grad or positive.requires_grad or negative.requires_grad)):
         return _ops().triplet_margin_loss(*args)[0]
-    # No gradient wanted: go straight to the CUDA kernel, past the op's autograd kernel (Python,
-    # torch.library's), which costs more than the kernels themselves on small inputs.
+    # No gradient wanted: go straight to the CUDA kernel, past the op's autograd kernel (host
+    # work only, but small inputs take less GPU time than the host spends per call).
     op = _TRIPLET_OP if _TRIPLET_OP is not None else _ops().triplet_margin_loss.default
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)[0]

@@ -1,5 +1,6 @@
-// The op schemas (torch.ops.fused_triplet.*) and their CUDA implementations.
-// Fake (meta) kernels are registered from Python (fused_triplet.py), after this library loads.
+// The op schemas (torch.ops.fused_triplet.*), their CUDA implementations and the forward's
+// autograd. Fake (meta) kernels are registered from Python (fused_triplet.py), after this
+// library loads.
 #include "triplet_common.cuh"
 
 #include <torch/library.h>
@@ -20,9 +21,16 @@ TORCH_LIBRARY(fused_triplet, m) {
       "triplet_margin_loss_backward(Tensor grad, Tensor anchor, Tensor positive, "
       "Tensor negative, Tensor dists, float margin, float p, float eps, bool swap, "
       "int reduction, bool hinge_at_zero, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // The hinge_at_zero the forward's autograd passes to the backward op: set once, when the
+  // library loads, from a probe of the installed torch (fused_triplet._hinge_passes_at_zero).
+  m.def("set_hinge_at_zero(bool value) -> ()", &fused_triplet::set_hinge_at_zero);
 }
 
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
   m.impl("triplet_margin_loss", &fused_triplet::triplet_margin_loss_cuda);
   m.impl("triplet_margin_loss_backward", &fused_triplet::triplet_margin_loss_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(fused_triplet, Autograd, m) {
+  m.impl("triplet_margin_loss", &fused_triplet::triplet_margin_loss_autograd);
 }

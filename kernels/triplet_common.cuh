@@ -605,6 +605,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
     const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
     bool swap, int64_t reduction, bool hinge_at_zero, std::array<bool, 3> output_mask);
 
+// The Autograd-key kernel of triplet_margin_loss, and the clamp_min convention its backward
+// follows (triplet_autograd.cu).
+std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_autograd(
+    const at::Tensor& anchor, const at::Tensor& positive, const at::Tensor& negative,
+    double margin, double p, double eps, bool swap, int64_t reduction);
+void set_hinge_at_zero(bool value);
+
 }  // namespace fused_triplet
 
 #endif  // FUSED_TRIPLET_COMMON_CUH
