@@ -130,6 +130,19 @@ with FakeTensorMode():
         assert "TripletMarginLossFunction" in loss.grad_fn.name() and not dists.requires_grad
         ga, gn = torch.autograd.grad(loss, [x[0], x[2]], torch.ones_like(loss))
         assert ga.shape == (8, 33) and gn.dtype == dtype
+
+
+# What torch.compile's AOTAutograd traces for a training step (make_fx of forward + grad): the
+# two fused ops and the upstream ones, nothing of torch's own formula.
+def step(a, p, n):
+    loss, _ = torch.ops.fused_triplet.triplet_margin_loss(a, p, n, 1.0, 2.0, 1e-6, True, 1)
+    return torch.autograd.grad(loss, (a, p, n))
+
+
+from torch.fx.experimental.proxy_tensor import make_fx
+code = make_fx(step, tracing_mode="fake")(*(torch.rand(8, 33, requires_grad=True)
+                                           for _ in range(3))).code
+assert "fused_triplet.triplet_margin_loss_backward" in code and "norm" not in code, code
 print("fake ok")
 """
 
