@@ -100,15 +100,20 @@ def test_other_dtypes_close_to_fp64(dtype):
             assert (x.double() - r).abs().max() <= (t.double() - r).abs().max() * 1.01 + 1e-7
 
 
-# >= 1024 whole rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk: the row ring.
+# >= 1024 whole rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk, more than
+# kPointwiseMaxBytes (8 MiB) per input: the row ring (fp32, fp64; 16-bit rows are < 8 KiB and
+# 6.6 MB: pointwise).
 BULK_SHAPE = (1100, 3000)
-# Other contiguous inputs with 16-byte rows take the flat bulk-copy backward on sm_90: fewer
-# long rows, with chunks that cross rows (600 x 3000, 2048 x 100 fp32), 16-byte rows (8 fp32 /
-# bf16: hundreds of rows per chunk), few long rows (3 x 100000, split in forward).
-FLAT_SHAPES = [BULK_SHAPE, (600, 3000), (4096, 8), (2048, 100), (3, 100000)]
+# Other contiguous inputs with 16-byte rows over 8 MiB per input (in every dtype) take the flat
+# bulk-copy backward on sm_90: chunks that cross rows (16384 x 300), 16-byte rows (8 elements:
+# hundreds of rows per chunk), few long rows (3 x 1500000, split in forward).
+FLAT_SHAPES = [BULK_SHAPE, (524288, 8), (16384, 300), (3, 1500000)]
+# Up to 8 MiB per input they take the pointwise kernel (any GPU): rows that are few and long,
+# 16 bytes, not a multiple of the 128-thread block, and a single row.
+POINTWISE_SHAPES = [(600, 3000), (4096, 8), (2048, 100), (3, 100000), (1, 4)]
 
 
-@pytest.mark.parametrize("shape", FLAT_SHAPES)
+@pytest.mark.parametrize("shape", FLAT_SHAPES + POINTWISE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 @pytest.mark.parametrize("swap", [False, True])
@@ -136,7 +141,8 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
 
 # Team sizes on both sides of choose_row_config's fill rule: many rows keep teams of 8 and 32
 # threads with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256,
-# bulk forward) and, with whole rows >= 8 KiB, the flat backward instead of the row ring.
+# bulk forward). The backward's team matters for p = inf and 3 (register loads); for p = 2 these
+# take the pointwise kernel (<= 8 MiB per input) or the flat one ((8192, 520)).
 TEAM_SHAPES = [((32768, 64), torch.float32), ((8192, 520), torch.float32),
                ((1024, 128), torch.float32), ((128, 2048), torch.bfloat16),
                ((128, 4096), torch.bfloat16), ((100, 4096), torch.float32)]
@@ -247,9 +253,10 @@ def test_poisoned_gradients_fully_written():
     assert all(torch.isfinite(x).all() for x in ours)
 
 
-# Register loads (2047: rows not 16-byte multiples), the flat kernel (500 x 2048, 3 x 100000),
-# the row ring (BULK_SHAPE).
-@pytest.mark.parametrize("shape", [(500, 2047), (500, 2048), BULK_SHAPE, (3, 100000)])
+# Register loads (2047: rows not 16-byte multiples), the pointwise kernel (500 x 2048,
+# 3 x 100000), the flat kernel (16384 x 300, 3 x 1500000), the row ring (BULK_SHAPE).
+@pytest.mark.parametrize("shape", [(500, 2047), (500, 2048), (16384, 300), BULK_SHAPE,
+                                   (3, 100000), (3, 1500000)])
 def test_deterministic_gradients(shape):
     a, p, n = (x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=9))
     _, first = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
