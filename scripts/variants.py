@@ -57,6 +57,8 @@ VARIANTS = {
     # split rows (time with --shape 16x4194304 or 4x16777216)
     "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
     "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
+    "split_slice8k": [(SLICE, SLICE.replace("32 * 1024", "8 * 1024"))],  # few 8-32 KiB rows split
+    "split_slice4k": [(SLICE, SLICE.replace("32 * 1024", "4 * 1024"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
     "split_ldg": [("          if (bulk) {\n            launch_bulk(triplet_forward_bulk_kernel",
                    "          if (false) {\n            launch_bulk(triplet_forward_bulk_kernel")],
