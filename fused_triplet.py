@@ -188,14 +188,12 @@ def _triplet_backward_fake(grad, anchor, positive, negative, dists, margin, p, e
                  for x, needed in zip((anchor, positive, negative), output_mask))
 
 
-_HINGE_AT_ZERO = None
 _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once loaded
 
 
 def _register_python_parts() -> None:
-    global _HINGE_AT_ZERO, _TRIPLET_OP
-    _HINGE_AT_ZERO = _hinge_passes_at_zero()
-    torch.ops.fused_triplet.set_hinge_at_zero(_HINGE_AT_ZERO)
+    global _TRIPLET_OP
+    torch.ops.fused_triplet.set_hinge_at_zero(_hinge_passes_at_zero())  # the C++ side keeps it
     _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
     torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
     torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
