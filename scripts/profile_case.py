@@ -2,14 +2,18 @@
 slow bench.py row spends its time in. A diagnosis aid, not part of the library.
 
     python scripts/profile_case.py [--shape 65536x1024] [--dtype bf16] [--forward-only]
-        [--contender fused|compile|eager] [--rounds 10]
+        [--contender fused|compile|eager] [--rounds 10] [--timeline]
 
 Prints torch.profiler's table of CUDA kernels (total and per-call device time) over `rounds`
-steps after a warm-up, with the L2 flushed before each step as bench.py does.
+steps after a warm-up, with the L2 flushed before each step as bench.py does. --timeline: the
+device sleeps 5 ms before each step so the host is ahead, and one step's kernels are listed in
+order with their median durations and the idle gaps between them (what bench.py's device time
+adds up; for comparing the kernels of two contenders one for one).
 """
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -27,6 +31,7 @@ def main():
     parser.add_argument("--contender", default="fused", choices=["fused", "compile", "eager"])
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--timeline", action="store_true")
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split("x"))
     dtype = DTYPES[args.dtype]
@@ -57,11 +62,40 @@ def main():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.rounds):
             flush.zero_()
+            if args.timeline:
+                torch.cuda._sleep(10_000_000)  # the host queues the whole step meanwhile
             step()
+        flush.zero_()  # ends the last step's kernel list
         torch.cuda.synchronize()
     print(f"{args.contender} {args.shape} {args.dtype} "
           f"{'forward' if args.forward_only else 'forward + backward'}, {args.rounds} rounds")
-    print(prof.key_averages().table(sort_by="device_time_total", row_limit=15, max_name_column_width=90))
+    if args.timeline:
+        print_timeline(prof)
+    else:
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=15,
+                                        max_name_column_width=90))
+
+
+def print_timeline(prof):
+    """One step's kernels in order (the ones between a sleep and the next flush): median
+    duration of each and of the idle gap before it, over the profiled steps."""
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA and "Mem" not in e.name),
+                     key=lambda e: e.time_range.start)
+    steps = []
+    for e in kernels:
+        if "spin" in e.name.lower() or "sleep" in e.name.lower():  # torch.cuda._sleep's kernel
+            steps.append([])
+        elif steps:
+            steps[-1].append(e)
+    steps = [s[:-1] for s in steps]  # drop the flush that follows each step
+    for i, e in enumerate(steps[0]):
+        dur = statistics.median(s[i].time_range.elapsed_us() for s in steps)
+        gap = statistics.median(s[i].time_range.start - s[i - 1].time_range.end
+                                for s in steps) if i else 0.0
+        print(f"  gap {gap:6.2f} us  kernel {dur:6.2f} us  {e.name[:80]}")
+    span = statistics.median(s[-1].time_range.end - s[0].time_range.start for s in steps)
+    print(f"  first kernel start to last kernel end: {span:.2f} us")
 
 
 if __name__ == "__main__":
