@@ -326,29 +326,31 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(compiled(a, p, n), ft.triplet_margin_loss(a, p, n, swap=True))
 
 
-def test_first_call_inside_torch_compile_fullgraph():
-    """A fresh process whose first fused call is being traced by torch.compile(fullgraph=True)."""
+def run_in_fresh_process(code):
+    """Runs `code` in a new Python process (from the project root, this environment): for
+    what only a first call can show (the library loads on first CUDA use)."""
     import os
     import subprocess
     import sys
     from conftest import ROOT
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_first_call_inside_torch_compile_fullgraph():
+    """A fresh process whose first fused call is being traced by torch.compile(fullgraph=True)."""
     code = ("import torch, fused_triplet as ft\n"
             "x = [torch.rand(64, 256, device='cuda') for _ in range(3)]\n"
             "f = torch.compile(lambda *t: ft.triplet_margin_loss(*t), fullgraph=True)\n"
             "assert torch.allclose(f(*x), torch.nn.TripletMarginLoss()(*x), rtol=1e-5, atol=1e-5)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_in_fresh_process(code)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_first_call_under_no_grad_or_inference_mode(mode):
     """A fresh process whose first fused call (which loads the library and probes torch's
     clamp_min gradient) comes with autograd off, as in an evaluation loop; then a backward."""
-    import os
-    import subprocess
-    import sys
-    from conftest import ROOT
     code = ("import torch, fused_triplet as ft\n"
             "x = [torch.rand(64, 256, device='cuda') for _ in range(3)]\n"
             f"with torch.{mode}():\n"
@@ -358,9 +360,7 @@ def test_first_call_under_no_grad_or_inference_mode(mode):
             "x[0].requires_grad_()\n"
             "ft.triplet_margin_loss(*x).backward()\n"
             "assert x[0].grad.isfinite().all()\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_in_fresh_process(code)
 
 
 def test_module_and_model_new_on_cuda():
