@@ -9,7 +9,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="bwd_no_pointwise bwd_pointwise_32m split_slice8k split_slice4k"
+variants="bwd_pointwise_8m"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -23,17 +23,12 @@ if [ "${1:-test}" = test ]; then
   wait
   exit 0
 fi
-# The pointwise backward (<= 8 MiB per input) against the flat kernel it replaces there
-# (bwd_no_pointwise) and a 32 MiB threshold.
-for c in "4096x512 bf16" "4096x512 fp32" "1024x128 fp32" "8192x1024 bf16"; do
+# The pointwise backward up to 16 MiB per input (base) against the 8 MiB threshold before it
+# (bwd_pointwise_8m), at 16 MiB per input, where 8 MiB sent the shapes to the flat kernel
+# (8192x1024 bf16: 2 KiB rows; 4096x1024 fp32: 4 KiB rows) and to the row ring (1024x4096
+# fp32: 1024 rows of 16 KiB). Each variants.py run times torch.compile too (~25 s per contender).
+for c in "8192x1024 bf16" "4096x1024 fp32" "1024x4096 fp32"; do
   set -- $c
-  timeout 70 python3 scripts/variants.py --backward --shape "$1" --dtype "$2" \
-    $v base,bwd_no_pointwise,bwd_pointwise_32m | tee "$out/ab_$1_$2.txt"
-done
-# Forward: few rows of 8-32 KiB (128 x 4096: 128 blocks; torch.compile 0.84-0.91x faster)
-# split into column slices of >= 8 or 4 KiB instead of >= 32 KiB.
-for c in "128x4096 fp32" "128x4096 bf16"; do
-  set -- $c
-  timeout 50 python3 scripts/variants.py --shape "$1" --dtype "$2" \
-    $v base,split_slice8k,split_slice4k | tee "$out/ab_fwd_$1_$2.txt"
+  timeout 95 python3 scripts/variants.py --backward --shape "$1" --dtype "$2" \
+    $v base,bwd_pointwise_8m | tee "$out/ab_$1_$2.txt"
 done

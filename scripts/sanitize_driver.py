@@ -2,10 +2,10 @@
 
 Forward: teams of 8, 32 and 256 threads, the bulk-copy kernel (4 x 8192), split rows and their
 combining kernel (3 x 20000), the scalar (unaligned) path, every norm kind, swap, each
-reduction; backward for the same (aligned contiguous rows of up to 8 MiB per input take the
+reduction; backward for the same (aligned contiguous rows of up to 16 MiB per input take the
 pointwise backward for p = 2 / 1: (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)); then,
-p = 2 / 1 only, larger inputs: the flat bulk-copy backward ((2100, 1024): short rows; (2, 2100000):
-few long rows) and the row ring ((1100, 3000): >= 1024 rows of >= 8 KiB).
+p = 2 / 1 only, inputs over 16 MiB: the flat bulk-copy backward ((4200, 1024): short rows;
+(2, 2100000): few long rows) and the row ring ((1500, 3000): >= 1024 rows of >= 8 KiB).
 """
 import math
 import os
@@ -28,7 +28,7 @@ for shape in shapes:
                     ft.triplet_margin_loss(a, p, n, p=pnorm, swap=swap, reduction=reduction)
                 xs = [x.detach().requires_grad_() for x in (a, p, n)]  # same offsets
                 ft.triplet_margin_loss(*xs, p=pnorm, swap=swap).backward()
-for shape in [(2100, 1024), (2, 2100000), (1100, 3000)]:  # > 8 MiB per input
+for shape in [(4200, 1024), (2, 2100000), (1500, 3000)]:  # > 16 MiB per input (fp32)
     xs = [torch.rand(shape, device="cuda").requires_grad_() for _ in range(3)]
     for pnorm in (2.0, 1.0):
         ft.triplet_margin_loss(*xs, p=pnorm, swap=True).backward()

@@ -35,7 +35,7 @@ FLAT = "constexpr bool kFlatBackward = true;"
 TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
 FEW_ROWS = "constexpr int64_t kFlatFewRows = kFillBlocks;"
 FLAT_PER_BLOCK = "constexpr int64_t kFlatMaxChunksPerBlock = 8;"
-POINTWISE = "constexpr int64_t kPointwiseMaxBytes = int64_t(8) << 20;"
+POINTWISE = "constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
@@ -75,8 +75,9 @@ VARIANTS = {
     "bwd_few_rows_ring": [(FEW_ROWS, FEW_ROWS.replace("kFillBlocks;", "0;"))],  # before
     "bwd_rows_bulk": [(FLAT, FLAT.replace("true", "false"))],  # row-by-row ring, no flat kernel
     "bwd_flat_all": [("\n                    !(bulk && cfg.splits == 1 && rows >= kFlatFewRows);", " true;")],  # long rows too
-    "bwd_no_pointwise": [(POINTWISE, POINTWISE.replace("int64_t(8) << 20", "0"))],  # before
-    "bwd_pointwise_32m": [(POINTWISE, POINTWISE.replace("int64_t(8) << 20", "int64_t(32) << 20"))],
+    "bwd_no_pointwise": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "0"))],
+    "bwd_pointwise_8m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(8) << 20"))],
+    "bwd_pointwise_32m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(32) << 20"))],
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],

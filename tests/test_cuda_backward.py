@@ -101,16 +101,18 @@ def test_other_dtypes_close_to_fp64(dtype):
 
 
 # >= 1024 whole rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk, more than
-# kPointwiseMaxBytes (8 MiB) per input: the row ring (fp32, fp64; 16-bit rows are < 8 KiB and
-# 6.6 MB: pointwise).
-BULK_SHAPE = (1100, 3000)
-# Other contiguous inputs with 16-byte rows over 8 MiB per input (in every dtype) take the flat
-# bulk-copy backward on sm_90: chunks that cross rows (16384 x 300), 16-byte rows (8 elements:
-# hundreds of rows per chunk), few long rows (3 x 1500000, split in forward).
-FLAT_SHAPES = [BULK_SHAPE, (524288, 8), (16384, 300), (3, 1500000)]
-# Up to 8 MiB per input they take the pointwise kernel (any GPU): rows that are few and long,
-# 16 bytes, not a multiple of the 128-thread block, and a single row.
-POINTWISE_SHAPES = [(600, 3000), (4096, 8), (2048, 100), (3, 100000), (1, 4)]
+# kPointwiseMaxBytes (16 MiB) per input: the row ring (fp32 17.2 MiB, fp64; 16-bit rows are
+# < 8 KiB and 8.6 MiB: pointwise).
+BULK_SHAPE = (1500, 3000)
+# Other contiguous inputs with 16-byte rows over 16 MiB per input take the flat bulk-copy
+# backward on sm_90: 16-byte rows (8 elements: hundreds of rows per chunk; over 16 MiB in every
+# dtype), chunks that cross rows (16384 x 300), few long rows (3 x 1500000, split in forward)
+# (these two in fp32 and fp64; 16-bit: pointwise).
+FLAT_SHAPES = [BULK_SHAPE, (1100000, 8), (16384, 300), (3, 1500000)]
+# Up to 16 MiB per input they take the pointwise kernel (any GPU): rows that are few and long,
+# 16 bytes, not a multiple of the 128-thread block, a single row, and 12.6 MiB in fp32 (the
+# row ring's shape below 16 MiB).
+POINTWISE_SHAPES = [(600, 3000), (4096, 8), (2048, 100), (3, 100000), (1, 4), (1100, 3000)]
 
 
 @pytest.mark.parametrize("shape", FLAT_SHAPES + POINTWISE_SHAPES)
@@ -142,7 +144,7 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
 # Team sizes on both sides of choose_row_config's fill rule: many rows keep teams of 8 and 32
 # threads with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256,
 # bulk forward). The backward's team matters for p = inf and 3 (register loads); for p = 2 these
-# take the pointwise kernel (<= 8 MiB per input) or the flat one ((8192, 520)).
+# take the pointwise kernel (<= 16 MiB per input) or the flat one ((8192, 520): 16.25 MiB).
 TEAM_SHAPES = [((32768, 64), torch.float32), ((8192, 520), torch.float32),
                ((1024, 128), torch.float32), ((128, 2048), torch.bfloat16),
                ((128, 4096), torch.bfloat16), ((100, 4096), torch.float32)]
