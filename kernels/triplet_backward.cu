@@ -404,8 +404,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 // threads of a row load the same dists, from L1. 32-bit pack indices: the host launches it
 // only for inputs far below 2^31 packs.
 constexpr int kPointwiseThreads = 128;
-// 16 MiB: at (8192, 1024) bf16 (16 MiB per input) fwd+bwd 0.0522 ms against the flat kernel's
-// 0.0540 (H200, two sessions; torch.compile 0.0507).
+// 16 MiB rather than 8: at 16 MiB per input (H200, fwd+bwd) 0.0527 / 0.0521 ms against the flat
+// kernel's 0.0544 at (8192, 1024) bf16, 0.0509 against the row ring's 0.0555 at (1024, 4096)
+// fp32, even with the flat kernel at (4096, 1024) fp32 (0.0538 vs 0.0542).
 constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;  // per input; 0: never (A/B)
 
 template <typename T, NormKind K, bool SWAP>
