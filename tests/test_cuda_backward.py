@@ -120,9 +120,10 @@ POINTWISE_SHAPES = [(600, 3000), (4096, 8), (2048, 100), (3, 100000), (1, 4), (1
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 @pytest.mark.parametrize("swap", [False, True])
 def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
-    """Aligned rows take the bulk-copy backward kernels on sm_90: each subset of needed
-    gradients, a per-sample upstream gradient, against float64 autograd, as accurate as torch's
-    own autograd in that dtype."""
+    """Aligned contiguous rows take the pointwise backward (up to 16 MiB per input) or, on
+    sm_90, the bulk-copy ones (flat and row ring): each subset of needed gradients, a
+    per-sample upstream gradient, against float64 autograd, as accurate as torch's own autograd
+    in that dtype."""
     a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=19)
     upstream = torch.rand(shape[0], device=DEV, dtype=dtype)
     kw = dict(margin=2.0, p=pnorm, swap=swap, reduction="none")
