@@ -9,7 +9,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="plain_stores approx_div"
+variants="div_skip_zero"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -23,12 +23,13 @@ if [ "${1:-test}" = test ]; then
   wait
   exit 0
 fi
-# Where the small pointwise backward loses to Triton's (its load order is not it, session h):
-# base against plain stores of the gradients (plain_stores) and approximate fp32 division
-# (approx_div), at the two shapes of session g's kernel timeline. Each variants.py run times
-# torch.compile too (~25 s per contender).
-for c in "4096x512 bf16" "1024x128 fp32"; do
+# The pointwise backward's fp32 division by the distance takes its slow-path subroutine when the
+# numerator is 0 (session i, ncu: an inactive hinge; under swap, the unchosen distance): base
+# against div_skip_zero (no division for a zero numerator; same values), with the inputs' usual
+# hinges (margin 1: nearly all active) and with about half inactive (margin 0). Each variants.py
+# run times torch.compile too (~25 s per contender).
+for c in "4096x512 bf16 1.0" "4096x512 bf16 0.0" "1024x128 fp32 0.0"; do
   set -- $c
-  timeout 130 python3 scripts/variants.py --backward --shape "$1" --dtype "$2" \
-    $v base,plain_stores,approx_div | tee "$out/ab_$1_$2.txt"
+  timeout 100 python3 scripts/variants.py --backward --shape "$1" --dtype "$2" --margin "$3" \
+    $v base,div_skip_zero | tee "$out/ab_$1_$2_m$3.txt"
 done

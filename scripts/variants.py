@@ -3,6 +3,7 @@ built in parallel (one process each: the op namespace can be registered once per
 timed one after another on the GPU against torch.compile. A tuning aid, not part of the library.
 
     python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b] [--backward]
+                               [--margin 1.0]  # 0: about half the rows' hinges inactive
 
 `--only base,tree=.ab/main` times this checkout's kernels against another checkout's.
 """
@@ -96,6 +97,14 @@ VARIANTS = {
     # (evict-first), and fp32 division by the distance as div.full (approximate, as Triton's `/`)
     # instead of IEEE division with its slow path. Experiments, not correct to the last bit.
     "plain_stores": [(CS_STORE, "*reinterpret_cast<uint4*>(ptr) = raw;")],
+    # A zero numerator skips the division (same value): fp32 g / d sends g = 0 (an inactive
+    # hinge; the unchosen distance under swap) down division's slow-path subroutine (session i,
+    # ncu source counters). Time with --margin 0 too (about half the hinges inactive).
+    "div_skip_zero": [(L2_SCALE, "return d == A(0) ? A(0) : ((g == A(0) && d > A(0)) ? g : g / d);")],
+    # div.full.f32: Triton's `/` (2 ulp, full range, no slow-path branch; __fdividef is div.approx)
+    "full_div": [(L2_SCALE, "if constexpr (std::is_same_v<A, float>) { float q; asm(\"div.full.f32 %0, %1, %2;\" "
+                            ": \"=f\"(q) : \"f\"(g), \"f\"(d)); return d == A(0) ? A(0) : q; }\n    "
+                            "return d == A(0) ? A(0) : g / d;")],
     "approx_div": [(L2_SCALE, "return d == A(0) ? A(0) : (std::is_same_v<A, float> ? "
                               "__fdividef(g, d) : g / d);")],
 }
@@ -121,7 +130,7 @@ def apply(name):
     return ft
 
 
-def time_one(name, shape, dtype_name, backward=False, rounds=50):
+def time_one(name, shape, dtype_name, backward=False, margin=1.0, rounds=50):
     import torch
     from bench import DEVICE_LEAD_CYCLES
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -130,9 +139,9 @@ def time_one(name, shape, dtype_name, backward=False, rounds=50):
     p = torch.rand(shape, device="cuda").to(dtype)
     n = torch.rand(shape, device="cuda").to(dtype)
     if name == "torch.compile":
-        fn = torch.compile(torch.nn.TripletMarginLoss())
+        fn = torch.compile(torch.nn.TripletMarginLoss(margin=margin))
     else:
-        fn = apply(name).ModelNew(1.0)
+        fn = apply(name).ModelNew(margin)
     if backward:  # forward + backward, grads of all three inputs
         loss_fn = fn
         a, p, n = (x.requires_grad_() for x in (a, p, n))
@@ -143,7 +152,9 @@ def time_one(name, shape, dtype_name, backward=False, rounds=50):
             loss = loss_fn(a, p, n)
             loss.backward()
             return loss.detach()
-    ref = torch.nn.TripletMarginLoss()(a, p, n)
+    ref = torch.nn.TripletMarginLoss(margin=margin)(a, p, n)
+    active = (torch.nn.functional.triplet_margin_loss(a, p, n, margin=margin, reduction="none")
+              > 0).float().mean().item()
     out = fn(a, p, n)
     err = (out.double() - ref.double()).abs().item()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -161,7 +172,8 @@ def time_one(name, shape, dtype_name, backward=False, rounds=50):
     torch.cuda.synchronize()
     ms = statistics.median(x.elapsed_time(y) for x, y in times)
     nbytes = (9 if backward else 3) * a.numel() * a.element_size()
-    print(f"{name:>18} {ms:8.4f} ms {nbytes / ms / 1e9:6.3f} TB/s  err {err:.1e}", flush=True)
+    print(f"{name:>18} {ms:8.4f} ms {nbytes / ms / 1e9:6.3f} TB/s  err {err:.1e}  "
+          f"active rows {active:.0%}", flush=True)
 
 
 def main():
@@ -170,6 +182,7 @@ def main():
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--only", default="")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
+    parser.add_argument("--margin", type=float, default=1.0)
     parser.add_argument("--child", nargs=2, metavar=("MODE", "NAME"))
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split("x"))
@@ -178,12 +191,13 @@ def main():
         if mode == "build":
             apply(name)
         else:
-            time_one(name, shape, args.dtype, args.backward)
+            time_one(name, shape, args.dtype, args.backward, args.margin)
         return
     wanted = args.only.split(",") if args.only else []
     names = [n for n in VARIANTS if not wanted or n in wanted]
     names += [n for n in wanted if n.startswith("tree=")]
-    me = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--dtype", args.dtype]
+    me = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--dtype", args.dtype,
+          "--margin", str(args.margin)]
     me += ["--backward"] if args.backward else []
     builds = [subprocess.Popen(me + ["--child", "build", n], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True) for n in names]
