@@ -3,7 +3,7 @@ built in parallel (one process each: the op namespace can be registered once per
 timed one after another on the GPU against torch.compile. A tuning aid, not part of the library.
 
     python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b] [--backward]
-                               [--margin 1.0]  # 0: about half the rows' hinges inactive
+                               [--margin 1.0]  # 0.001: about half the hinges inactive
 
 `--only base,tree=.ab/main` times this checkout's kernels against another checkout's.
 """
@@ -99,7 +99,7 @@ VARIANTS = {
     "plain_stores": [(CS_STORE, "*reinterpret_cast<uint4*>(ptr) = raw;")],
     # A zero numerator skips the division (same value): fp32 g / d sends g = 0 (an inactive
     # hinge; the unchosen distance under swap) down division's slow-path subroutine (session i,
-    # ncu source counters). Time with --margin 0 too (about half the hinges inactive).
+    # ncu source counters). Time with --margin 0.001 too (about half the hinges inactive).
     "div_skip_zero": [(L2_SCALE, "return d == A(0) ? A(0) : ((g == A(0) && d > A(0)) ? g : g / d);")],
     # div.full.f32: Triton's `/` (2 ulp, full range, no slow-path branch; __fdividef is div.approx)
     "full_div": [(L2_SCALE, "if constexpr (std::is_same_v<A, float>) { float q; asm(\"div.full.f32 %0, %1, %2;\" "
