@@ -27,9 +27,11 @@ fi
 # numerator is 0 (session i, ncu: an inactive hinge; under swap, the unchosen distance): base
 # against div_skip_zero (no division for a zero numerator; same values), with the inputs' usual
 # hinges (margin 1: nearly all active) and with about half inactive (margin 0.001; torch wants a
-# margin > 0). Each variants.py run times torch.compile too (~25 s per contender).
-for c in "4096x512 bf16 1.0" "4096x512 bf16 0.001" "1024x128 fp32 0.001"; do
+# margin > 0), and with swap (the distance not chosen gets a zero numerator on every row). Each
+# variants.py run times torch.compile too (~25 s per contender).
+for c in "4096x512 bf16 1.0" "4096x512 bf16 0.001" "4096x512 bf16 1.0 --swap" \
+         "1024x128 fp32 0.001"; do
   set -- $c
   timeout 100 python3 scripts/variants.py --backward --shape "$1" --dtype "$2" --margin "$3" \
-    $v base,div_skip_zero | tee "$out/ab_$1_$2_m$3.txt"
+    ${4:-} $v base,div_skip_zero | tee "$out/ab_$1_$2_m$3${4:-}.txt"
 done

@@ -3,7 +3,8 @@ built in parallel (one process each: the op namespace can be registered once per
 timed one after another on the GPU against torch.compile. A tuning aid, not part of the library.
 
     python scripts/variants.py [--shape 32768x8192] [--dtype fp32] [--only a,b] [--backward]
-                               [--margin 1.0]  # 0.001: about half the hinges inactive
+                               [--margin 1.0] [--swap]  # margin 0.001: about half the hinges
+                                                        # inactive
 
 `--only base,tree=.ab/main` times this checkout's kernels against another checkout's.
 """
@@ -130,7 +131,7 @@ def apply(name):
     return ft
 
 
-def time_one(name, shape, dtype_name, backward=False, margin=1.0, rounds=50):
+def time_one(name, shape, dtype_name, backward=False, margin=1.0, swap=False, rounds=50):
     import torch
     from bench import DEVICE_LEAD_CYCLES
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
@@ -139,9 +140,10 @@ def time_one(name, shape, dtype_name, backward=False, margin=1.0, rounds=50):
     p = torch.rand(shape, device="cuda").to(dtype)
     n = torch.rand(shape, device="cuda").to(dtype)
     if name == "torch.compile":
-        fn = torch.compile(torch.nn.TripletMarginLoss(margin=margin))
-    else:
-        fn = apply(name).ModelNew(margin)
+        fn = torch.compile(torch.nn.TripletMarginLoss(margin=margin, swap=swap))
+    else:  # swap: the module (ModelNew, KernelBench's, has no swap)
+        ft = apply(name)
+        fn = ft.TripletMarginLoss(margin=margin, swap=True) if swap else ft.ModelNew(margin)
     if backward:  # forward + backward, grads of all three inputs
         loss_fn = fn
         a, p, n = (x.requires_grad_() for x in (a, p, n))
@@ -152,8 +154,9 @@ def time_one(name, shape, dtype_name, backward=False, margin=1.0, rounds=50):
             loss = loss_fn(a, p, n)
             loss.backward()
             return loss.detach()
-    ref = torch.nn.TripletMarginLoss(margin=margin)(a, p, n)
-    active = (torch.nn.functional.triplet_margin_loss(a, p, n, margin=margin, reduction="none")
+    ref = torch.nn.TripletMarginLoss(margin=margin, swap=swap)(a, p, n)
+    active = (torch.nn.functional.triplet_margin_loss(a, p, n, margin=margin, swap=swap,
+                                                      reduction="none")
               > 0).float().mean().item()
     out = fn(a, p, n)
     err = (out.double() - ref.double()).abs().item()
@@ -183,6 +186,7 @@ def main():
     parser.add_argument("--only", default="")
     parser.add_argument("--backward", action="store_true", help="time forward + backward")
     parser.add_argument("--margin", type=float, default=1.0)
+    parser.add_argument("--swap", action="store_true", help="the loss with swap=True")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "NAME"))
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split("x"))
@@ -191,13 +195,13 @@ def main():
         if mode == "build":
             apply(name)
         else:
-            time_one(name, shape, args.dtype, args.backward, args.margin)
+            time_one(name, shape, args.dtype, args.backward, args.margin, args.swap)
         return
     wanted = args.only.split(",") if args.only else []
     names = [n for n in VARIANTS if not wanted or n in wanted]
     names += [n for n in wanted if n.startswith("tree=")]
     me = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--dtype", args.dtype,
-          "--margin", str(args.margin)]
+          "--margin", str(args.margin)] + (["--swap"] if args.swap else [])
     me += ["--backward"] if args.backward else []
     builds = [subprocess.Popen(me + ["--child", "build", n], stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True) for n in names]
