@@ -95,19 +95,20 @@ VARIANTS = {
                           (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 6)"))],
     # Where the small pointwise backward loses to Triton's (7.42 vs 4.91 us at (4096, 512) bf16;
     # not its load order: session h): gradients stored with plain stores instead of st.global.cs
-    # (evict-first), and fp32 division by the distance as div.full (approximate, as Triton's `/`)
-    # instead of IEEE division with its slow path. Experiments, not correct to the last bit.
+    # (evict-first), and fp32 division by the distance as div.full.f32 (Triton's `/`: 2 ulp, full
+    # range) or __fdividef (div.approx) instead of IEEE division with its slow path. Experiments,
+    # not correct to the last bit; session i measured all three as noise (results/).
     "plain_stores": [(CS_STORE, "*reinterpret_cast<uint4*>(ptr) = raw;")],
-    # A zero numerator skips the division (same value): fp32 g / d sends g = 0 (an inactive
-    # hinge; the unchosen distance under swap) down division's slow-path subroutine (session i,
-    # ncu source counters). Time with --margin 0.001 too (about half the hinges inactive).
-    "div_skip_zero": [(L2_SCALE, "return d == A(0) ? A(0) : ((g == A(0) && d > A(0)) ? g : g / d);")],
-    # div.full.f32: Triton's `/` (2 ulp, full range, no slow-path branch; __fdividef is div.approx)
     "full_div": [(L2_SCALE, "if constexpr (std::is_same_v<A, float>) { float q; asm(\"div.full.f32 %0, %1, %2;\" "
                             ": \"=f\"(q) : \"f\"(g), \"f\"(d)); return d == A(0) ? A(0) : q; }\n    "
                             "return d == A(0) ? A(0) : g / d;")],
     "approx_div": [(L2_SCALE, "return d == A(0) ? A(0) : (std::is_same_v<A, float> ? "
                               "__fdividef(g, d) : g / d);")],
+    # A zero numerator skips the division (same value, exact): IEEE g / d sends g = 0 (an
+    # inactive hinge; the unchosen distance under swap) down division's slow-path subroutine
+    # (session i, ncu source counters). Time with --margin 0.001 (about half the hinges
+    # inactive) and --swap too. Branch scale-skip-zero-div is this for every scale division.
+    "div_skip_zero": [(L2_SCALE, "return d == A(0) ? A(0) : ((g == A(0) && d > A(0)) ? g : g / d);")],
 }
 
 
