@@ -213,6 +213,34 @@ def test_hinge_exactly_zero_as_installed_torch():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("pnorm", [2.0, 3.0])
+@pytest.mark.parametrize("swap", [False, True])
+def test_inactive_and_nonfinite_rows_like_torch(pnorm, swap):
+    """Positives close to their anchors on even rows leave those hinges inactive: their rows get
+    a zero upstream gradient, which the scales return without dividing by the distance (and,
+    under swap, the distance not chosen gets one on every row). That must keep torch's values,
+    NaN and inf included: rows with an inf entry (NaN where 0 * inf) and one with a NaN entry
+    (NaN across the row, as 0 / NaN gives)."""
+    a, p, n = rand_triplet((64, 300), device=DEV, seed=23)
+    p[0::2] = a[0::2] + 0.01 * n[0::2]
+    a[3, 7], a[5, 11], n[9, 2], p[12, 4] = math.inf, math.nan, math.inf, -math.inf
+    for x in (a, p, n):
+        x.requires_grad_()
+    kw = dict(margin=1.0, swap=swap, reduction="sum")
+    _, ours = grads(lambda *x: fused_loss(*x, pnorm=pnorm, **kw), (a, p, n))
+    _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, p=pnorm, **kw), (a, p, n))
+    hinge = F.triplet_margin_loss(a.detach(), p.detach(), n.detach(), p=pnorm, margin=1.0,
+                                  swap=swap, reduction="none")
+    assert (hinge == 0).sum() >= 16 and (hinge > 0).sum() >= 16  # both kinds of row
+    for x, y in zip(ours, theirs):
+        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.isinf(), y.isinf())
+        assert x.isnan().any(dim=1).sum() >= 2  # rows with a non-finite entry
+        both = x.isfinite() & y.isfinite()
+        # values within fp32 rounding (accuracy is test_matches_torch_autograd_fp32's business)
+        torch.testing.assert_close(x[both], y[both], rtol=1e-4, atol=1e-6)
+        assert torch.equal(x[hinge == 0].isfinite(), x[hinge == 0] == 0)  # inactive: 0 or NaN
+
+
 def test_swap_ties_split_like_torch():
     a, p, n = rand_triplet((16, 50), device=DEV, seed=6)
     p = a.clone()  # d(p, n) == d(a, n) exactly: the minimum's gradient is split in half
