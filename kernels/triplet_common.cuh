@@ -272,11 +272,15 @@ constexpr int64_t kTeamFillBlocks = kFillBlocks;  // 0: team size from the row l
 
 inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size) {
   const int64_t packs = (dim * elem_size + kVecBytes - 1) / kVecBytes;
-  // Threads per row: the smallest team that leaves each thread at most 16 packs per input, so
-  // short rows do not leave most of a block idle and long rows get a whole block.
-  //   <= 128 packs (2 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
+  // Threads per row: the smallest team that leaves each thread few packs per input, so short
+  // rows do not leave most of a block idle and long rows get a whole block.
+  //   <= 64 packs (1 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
+  // A team of 8 takes at most 8 packs per thread: at 16, (65536, 1024) bf16 (128 packs, 2048
+  // blocks of 32 rows) ran its forward at 0.1164 ms against a warp per row's 0.1088 (torch.compile
+  // 0.1084; H200, session j, scripts/variants.py tpr_8packs). A warp still takes up to 16: 8 KiB
+  // rows with a whole block would switch to the bulk forward, not measured there.
   RowConfig cfg;
-  cfg.threads_per_row = packs <= 8 * 16 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
+  cfg.threads_per_row = packs <= 8 * 8 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
   auto groups = [&](int tpr) { return (rows + kBlockThreads / tpr - 1) / (kBlockThreads / tpr); };
   // Few rows: the next bigger team while the grid has fewer than kTeamFillBlocks blocks and
   // each of its threads still gets a pack: (128, 4096) bf16 took a warp per row, 16 blocks for

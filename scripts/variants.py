@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)
 LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
 UNROLL = "constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;"
 TPR_RULE = "packs <= 32 * 16 ? 32 : kBlockThreads);"
+TPR_RULE_FULL = "packs <= 8 * 8 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);"
 TPR_DEFAULT = "default: with_swap(k, std::integral_constant<int, kBlockThreads>{});"
 GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
@@ -41,7 +42,7 @@ POINTWISE = "constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
-L2_SCALE = "return d == A(0) ? A(0) : g / d;"
+L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
 SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
 
@@ -101,14 +102,22 @@ VARIANTS = {
     "plain_stores": [(CS_STORE, "*reinterpret_cast<uint4*>(ptr) = raw;")],
     "full_div": [(L2_SCALE, "if constexpr (std::is_same_v<A, float>) { float q; asm(\"div.full.f32 %0, %1, %2;\" "
                             ": \"=f\"(q) : \"f\"(g), \"f\"(d)); return d == A(0) ? A(0) : q; }\n    "
-                            "return d == A(0) ? A(0) : g / d;")],
+                            "return d == A(0) ? A(0) : scale_div(g, d);")],
     "approx_div": [(L2_SCALE, "return d == A(0) ? A(0) : (std::is_same_v<A, float> ? "
                               "__fdividef(g, d) : g / d);")],
-    # A zero numerator skips the division (same value, exact): IEEE g / d sends g = 0 (an
-    # inactive hinge; the unchosen distance under swap) down division's slow-path subroutine
-    # (session i, ncu source counters). Time with --margin 0.001 (about half the hinges
-    # inactive) and --swap too. Branch scale-skip-zero-div is this for every scale division.
-    "div_skip_zero": [(L2_SCALE, "return d == A(0) ? A(0) : ((g == A(0) && d > A(0)) ? g : g / d);")],
+    # Before scale_div (session j, merged: no loss, within noise, results/): IEEE g / d for a zero
+    # numerator too, which takes division's slow-path subroutine.
+    "div_always": [("return (g == A(0) && x > A(0)) ? g : g / x;", "return g / x;")],
+    # Forward teams for mid-length rows (session j, results/h200_variants_2026-11-29j.txt):
+    # team8_16packs is the rule before, a team of 8 for up to 16 packs per thread per input
+    # (65536 x 1024 bf16 forward: 0.1164 ms, against 0.1088 with a warp per row as merged);
+    # tpr_8packs_warp also caps a warp at 8 packs (8 KiB rows: whole blocks, the bulk forward;
+    # not measured); tpr_4packs caps both at 4 (65536 x 1024 fp32: 0.2396 vs 0.1990, slower);
+    # fwd_unroll2 keeps 2 packs per input in flight instead of 4 (0.2017 vs 0.1990, no gain).
+    "team8_16packs": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("8 * 8", "8 * 16"))],
+    "tpr_8packs_warp": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("32 * 16", "32 * 8"))],
+    "tpr_4packs": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("8 * 8", "8 * 4").replace("32 * 16", "32 * 4"))],
+    "fwd_unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
 }
 
 
