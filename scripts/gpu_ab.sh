@@ -9,7 +9,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="div_skip_zero"
+variants="tpr_8packs_warp team8_16packs"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -23,15 +23,13 @@ if [ "${1:-test}" = test ]; then
   wait
   exit 0
 fi
-# The pointwise backward's fp32 division by the distance takes its slow-path subroutine when the
-# numerator is 0 (session i, ncu: an inactive hinge; under swap, the unchosen distance): base
-# against div_skip_zero (no division for a zero numerator; same values), with the inputs' usual
-# hinges (margin 1: nearly all active) and with about half inactive (margin 0.001; torch wants a
-# margin > 0), and with swap (the distance not chosen gets a zero numerator on every row). Each
-# variants.py run times torch.compile too (~25 s per contender).
-for c in "4096x512 bf16 1.0" "4096x512 bf16 0.001" "4096x512 bf16 1.0 --swap" \
-         "1024x128 fp32 0.001"; do
+# Team sizes for rows of 4-8 KiB (session j merged a team of 8 for <= 64 packs only; a warp
+# still takes up to 512 packs, 16 per thread): tpr_8packs_warp caps a warp at 256 packs (4 KiB),
+# so rows over 4 KiB up to 8 KiB take whole blocks (8 KiB: the bulk forward). team8_16packs is the rule
+# before session j, as a check of its gain. Each variants.py run times torch.compile too
+# (~25 s per contender); forward only unless --backward.
+for c in "65536x2048 fp32" "32768x4096 bf16" "65536x1536 fp32" "65536x1024 bf16 --backward"; do
   set -- $c
-  timeout 100 python3 scripts/variants.py --backward --shape "$1" --dtype "$2" --margin "$3" \
-    ${4:-} $v base,div_skip_zero | tee "$out/ab_$1_$2_m$3${4:-}.txt"
+  timeout 100 python3 scripts/variants.py --shape "$1" --dtype "$2" ${3:-} \
+    $v base,$(echo $variants | tr ' ' ,) | tee "$out/ab_$1_$2${3:-}.txt"
 done
