@@ -24,10 +24,10 @@ if [ "${1:-test}" = test ]; then
   exit 0
 fi
 # Team sizes for rows of 4-8 KiB (session j merged a team of 8 for <= 64 packs only; a warp
-# still takes up to 512 packs, 16 per thread): tpr_8packs_warp caps a warp at 256 packs (4 KiB),
-# so rows over 4 KiB up to 8 KiB take whole blocks (8 KiB: the bulk forward). team8_16packs is the rule
-# before session j, as a check of its gain. Each variants.py run times torch.compile too
-# (~25 s per contender); forward only unless --backward.
+# still takes up to 512 packs, 16 per thread): tpr_8packs_warp caps a warp at 256 packs
+# (4 KiB), so rows over 4 KiB up to 8 KiB take whole blocks (8 KiB: the bulk forward).
+# team8_16packs is the rule before session j, as a check of its gain. Each variants.py run
+# times torch.compile too (~25 s per contender); forward only unless --backward.
 for c in "65536x2048 fp32" "32768x4096 bf16" "65536x1536 fp32" "65536x1024 bf16 --backward"; do
   set -- $c
   timeout 100 python3 scripts/variants.py --shape "$1" --dtype "$2" ${3:-} \
