@@ -276,9 +276,10 @@ inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size)
   // rows do not leave most of a block idle and long rows get a whole block.
   //   <= 64 packs (1 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
   // A team of 8 takes at most 8 packs per thread: at 16, (65536, 1024) bf16 (128 packs, 2048
-  // blocks of 32 rows) ran its forward at 0.1164 ms against a warp per row's 0.1088 (torch.compile
-  // 0.1084; H200, session j, scripts/variants.py tpr_8packs). A warp still takes up to 16: 8 KiB
-  // rows with a whole block would switch to the bulk forward, not measured there.
+  // blocks of 32 rows) ran its forward at 0.1164 ms against 0.1088 with a warp per row
+  // (torch.compile 0.1084; H200, session j; scripts/variants.py team8_16packs is the old rule).
+  // A warp still takes up to 16: 8 KiB rows with a whole block would switch to the bulk
+  // forward, not measured there (variant tpr_8packs_warp).
   RowConfig cfg;
   cfg.threads_per_row = packs <= 8 * 8 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
   auto groups = [&](int tpr) { return (rows + kBlockThreads / tpr - 1) / (kBlockThreads / tpr); };

@@ -277,8 +277,6 @@ __global__ void __launch_bounds__(kSumThreads)
   if (threadIdx.x == 0) out[0] = static_cast<T>(v / divisor);
 }
 
-// ---- launch ------------------------------------------------------------------------------
-
 // ---- host op -------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
