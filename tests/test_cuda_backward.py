@@ -146,7 +146,10 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
 # threads with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256,
 # bulk forward). The backward's team matters for p = inf and 3 (register loads); for p = 2 these
 # take the pointwise kernel (<= 16 MiB per input) or the flat one ((8192, 520): 16.25 MiB).
-TEAM_SHAPES = [((32768, 64), torch.float32), ((8192, 520), torch.float32),
+# (32768, 200) fp32 and (32768, 512) bf16: teams of 8 with 50 and 64 packs per row (the most a
+# team of 8 takes), so their threads run the 4-pack unrolled loop, not only its tail.
+TEAM_SHAPES = [((32768, 64), torch.float32), ((32768, 200), torch.float32),
+               ((32768, 512), torch.bfloat16), ((8192, 520), torch.float32),
                ((1024, 128), torch.float32), ((128, 2048), torch.bfloat16),
                ((128, 4096), torch.bfloat16), ((100, 4096), torch.float32)]
 
