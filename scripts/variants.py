@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
 UNROLL = "constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;"
 TPR_RULE = "packs <= 32 * 16 ? 32 : kBlockThreads);"
-TPR_RULE_FULL = "packs <= 8 * 8 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);"
+TPR_RULE_FULL = "packs <= 8 * 8 ? 8 : (" + TPR_RULE  # both team thresholds
 TPR_DEFAULT = "default: with_swap(k, std::integral_constant<int, kBlockThreads>{});"
 GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
 BLOCK = "constexpr int kBlockThreads = 256;"
