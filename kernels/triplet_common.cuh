@@ -334,16 +334,21 @@ struct TripletRows {
 // requests and no registers hold data in flight; the whole block works on each stage from shared
 // memory. One team (the block) per row or row slice (RowChunks), or per range of a flat
 // contiguous array (FlatChunks), chunk after chunk.
-//   Forward: 4 stages x 3 inputs x 8 KiB = 96 KiB, 2 blocks per SM. Measured at (32768, 8192)
-//   fp32 on the H200 (scripts/variants.py): 0.717 ms against 0.747 ms for register loads;
-//   2 x 16 KiB tied; 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB, 4 x 16 KiB) were 13-50%
-//   slower; a persistent grid 0.8% slower.
+//   Forward, 4-byte and wider elements: 4 stages x 3 inputs x 8 KiB = 96 KiB, 2 blocks per SM.
+//   Measured at (32768, 8192) fp32 on the H200 (scripts/variants.py): 0.717 ms against 0.747 ms
+//   for register loads; 2 x 16 KiB tied; 8 x 4 KiB and any 1-block-per-SM ring (6 x 8 KiB,
+//   4 x 16 KiB) were 13-50% slower; a persistent grid 0.8% slower.
+//   Forward, 2-byte elements: 4 x 4 KiB = 48 KiB, 4 blocks per SM. A bf16 row of 8192 is 2
+//   chunks of 8 KiB per input, so each block's ring ran dry at each row's end; at (32768, 8192)
+//   bf16: 4 x 4 KiB 0.3700 ms, 2 x 16 KiB 0.3879, register loads 0.3865, 2 persistent blocks
+//   per SM 0.3748, 4 x 8 KiB 0.4005 (torch.compile 0.3845).
 //   Backward: 4 stages x 3 x 4 KiB = 48 KiB, 4 blocks per SM (more blocks keep more gradient
 //   stores going while others wait on copies). Forward + backward at (32768, 8192) fp32:
 //   4 x 4 KiB 2.281 ms, 6 x 4 KiB 2.281, 4 x 8 KiB 2.309, 3 x 8 KiB 2.317, 2 x 8 KiB 2.321;
 //   register loads (no ring) 2.397-2.403.
 constexpr int kForwardStages = 4;
-constexpr int kForwardChunkBytes = 8192;
+template <typename T>
+constexpr int kForwardChunkBytes = sizeof(T) < 4 ? 4096 : 8192;
 constexpr int kBackwardStages = 4;
 constexpr int kBackwardChunkBytes = 4096;
 constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be worth a ring

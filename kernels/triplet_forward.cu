@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  using Ring = BulkRing<T, kForwardStages, kForwardChunkBytes, RowChunks>;
+  using Ring = BulkRing<T, kForwardStages, kForwardChunkBytes<T>, RowChunks>;
   __shared__ __align__(8) uint64_t full[kForwardStages];
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 
@@ -334,7 +334,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
         if (cfg.splits > 1) {  // two launches whatever the reduction
           if (bulk) {
             launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
-                        BulkRing<scalar_t, kForwardStages, kForwardChunkBytes,
+                        BulkRing<scalar_t, kForwardStages, kForwardChunkBytes<scalar_t>,
                                  RowChunks>::kSmemBytes,
                         cfg.grid, stream, args);
           } else {
@@ -348,8 +348,9 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
         }
         if (bulk) {
           launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
-                      BulkRing<scalar_t, kForwardStages, kForwardChunkBytes, RowChunks>::kSmemBytes, cfg.grid,
-                      stream, args);
+                      BulkRing<scalar_t, kForwardStages, kForwardChunkBytes<scalar_t>,
+                               RowChunks>::kSmemBytes,
+                      cfg.grid, stream, args);
           return;
         }
       }

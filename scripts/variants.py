@@ -30,7 +30,7 @@ BULK = "return vectorized && cfg.threads_per_row == kBlockThreads &&"
 BULK_LOOP = ("ring.chunks.chunk_elems(sp, col) / kVec);\n"
              "      for (int v = threadIdx.x; v < packs; v += kBlockThreads) {")
 STAGES = "constexpr int kForwardStages = 4;"
-CHUNK = "constexpr int kForwardChunkBytes = 8192;"
+CHUNK = "constexpr int kForwardChunkBytes = sizeof(T) < 4 ? 4096 : 8192;"
 BWD_STAGES = "constexpr int kBackwardStages = 4;"
 BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
 BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
