@@ -9,7 +9,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="tpr_8packs_warp team8_16packs nobulk bulk_16k_x2 bulk_4k_x4 bulk_persist2 bulk_unroll2"
+variants="fwd_chunk_8k_all bulk_persist4 bulk_persist2"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -23,23 +23,19 @@ if [ "${1:-test}" = test ]; then
   wait
   exit 0
 fi
-# 1. Team sizes for rows of 4-8 KiB (session j merged a team of 8 for <= 64 packs only; a warp
-#    still takes up to 512 packs, 16 per thread): tpr_8packs_warp caps a warp at 256 packs
-#    (4 KiB), so rows over 4 KiB up to 8 KiB take whole blocks (8 KiB: the bulk forward).
-#    team8_16packs is the rule before session j, as a check of its gain.
-# 2. The bulk forward's ring for bf16: its shape was chosen at (32768, 8192) fp32 only (4.57
-#    TB/s); bf16 there reaches 4.08 (torch.compile 4.23). A bf16 row is 2 chunks per input, so
-#    each block's ring runs dry at its end (fp32: 4 chunks): register loads (nobulk), other
-#    rings, and 2 persistent blocks per SM streaming row after row (bulk_persist2; fp32: 0.8%
-#    slower), and the consumer loop unrolled by 2 (bulk_unroll2: in the SASS each iteration takes
-#    one pack of each input and waits on its shared-memory loads).
+# Session k merged the forward ring 4 x 4 KiB for 2-byte dtypes (4 x 8 KiB before), measured
+# at (32768, 8192) bf16 only (0.3700 ms vs 0.4005). The other bf16 shapes whose rows take the
+# bulk forward were not A/B'd: split rows (4x16777216, 16x4194304; 4x16777216 read 0.1228 ms vs
+# compile 0.1175 after it, 0.1194 vs 0.1165 in session i's sweep) and 8 KiB rows that a block
+# takes (128x4096). fwd_chunk_8k_all is the ring before k. Persistent grids of 4 or 2 blocks
+# per SM over the new 48 KiB ring (bulk_persist2 gained 6% over the 96 KiB ring in bf16).
 # Each variants.py run times torch.compile too (~25 s per contender); forward unless --backward.
 ab() {  # shape dtype variant,variant... [--backward]
   timeout 150 python3 scripts/variants.py --shape "$1" --dtype "$2" ${4:-} $v "base,$3" \
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
-ab 65536x2048 fp32 tpr_8packs_warp
-ab 32768x4096 bf16 tpr_8packs_warp
-ab 65536x1536 fp32 tpr_8packs_warp
-ab 65536x1024 bf16 team8_16packs --backward
-ab 32768x8192 bf16 nobulk,bulk_16k_x2,bulk_4k_x4,bulk_persist2,bulk_unroll2
+ab 4x16777216 bf16 fwd_chunk_8k_all
+ab 16x4194304 bf16 fwd_chunk_8k_all
+ab 128x4096 bf16 fwd_chunk_8k_all
+ab 32768x8192 bf16 fwd_chunk_8k_all --backward
+ab 32768x8192 bf16 bulk_persist4,bulk_persist2

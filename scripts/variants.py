@@ -55,11 +55,13 @@ VARIANTS = {
                       (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
     "nobulk_block512": [(BULK, "return false &&"), (BLOCK, BLOCK.replace("256", "512"))],
     "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
+    "bulk_persist4": [(GRID, "std::min<int64_t>(row_groups, 132 * 4)")],  # 4 x 48 KiB rings
     "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
     "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
     "bulk_8k_x6": [(STAGES, STAGES.replace("4", "6"))],
     "bulk_16k_x4": [(CHUNK, CHUNK.replace("8192", "16384"))],
-    "bulk_4k_x4": [(CHUNK, CHUNK.replace("8192", "4096"))],  # 48 KiB: 4 blocks per SM
+    "bulk_4k_x4": [(CHUNK, CHUNK.replace("8192", "4096"))],  # fp32 too; 48 KiB: 4 blocks per SM
+    "fwd_chunk_8k_all": [(CHUNK, CHUNK.replace("4096", "8192"))],  # 2-byte dtypes as before k
     "bulk_4k_x6": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "6"))],
     # split rows (time with --shape 16x4194304 or 4x16777216)
     "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
