@@ -5,7 +5,9 @@ combining kernel (3 x 20000), the scalar (unaligned) path, every norm kind, swap
 reduction; backward for the same (aligned contiguous rows of up to 16 MiB per input take the
 pointwise backward for p = 2 / 1: (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)); then,
 p = 2 / 1 only, inputs over 16 MiB: the flat bulk-copy backward ((4200, 1024): short rows;
-(2, 2100000): few long rows) and the row ring ((1500, 3000): >= 1024 rows of >= 8 KiB).
+(2, 2100000): few long rows) and the row ring ((1500, 3000): >= 1024 rows of >= 8 KiB); last,
+bf16 through the bulk forward's 2-byte ring (4 x 4 KiB): whole rows, a row whose last chunk is
+16 bytes, split rows.
 """
 import math
 import os
@@ -32,5 +34,9 @@ for shape in [(4200, 1024), (2, 2100000), (1500, 3000)]:  # > 16 MiB per input (
     xs = [torch.rand(shape, device="cuda").requires_grad_() for _ in range(3)]
     for pnorm in (2.0, 1.0):
         ft.triplet_margin_loss(*xs, p=pnorm, swap=True).backward()
+for shape in [(4, 8192), (4, 4104), (3, 20000)]:  # bf16: 2 x 4 KiB + 16 B for 4104
+    xs = [torch.rand(shape, device="cuda").bfloat16().requires_grad_() for _ in range(3)]
+    for reduction in ("none", "mean"):
+        ft.triplet_margin_loss(*xs, swap=True, reduction=reduction).sum().backward()
 torch.cuda.synchronize()
 print("sanitize driver: done")
