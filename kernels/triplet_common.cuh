@@ -278,8 +278,8 @@ inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size)
   // A team of 8 takes at most 8 packs per thread: at 16, (65536, 1024) bf16 (128 packs, 2048
   // blocks of 32 rows) ran its forward at 0.1164 ms against 0.1088 with a warp per row
   // (torch.compile 0.1084; H200, session j; scripts/variants.py team8_16packs is the old rule).
-  // A warp still takes up to 16: 8 KiB rows with a whole block would switch to the bulk
-  // forward, not measured there (variant tpr_8packs_warp).
+  // A warp still takes up to 16: capping it at 8 (4-8 KiB rows to whole blocks, variant
+  // tpr_8packs_warp) was far slower, (65536, 2048) fp32 0.5814 ms against 0.3910 (session k).
   RowConfig cfg;
   cfg.threads_per_row = packs <= 8 * 8 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
   auto groups = [&](int tpr) { return (rows + kBlockThreads / tpr - 1) / (kBlockThreads / tpr); };

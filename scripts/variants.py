@@ -54,6 +54,8 @@ VARIANTS = {
     "nobulk_tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
                       (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
     "nobulk_block512": [(BULK, "return false &&"), (BLOCK, BLOCK.replace("256", "512"))],
+    # CHUNK edits of "8192" change the ring of 4-byte and wider types only; 2-byte types keep
+    # 4 KiB chunks (fwd_chunk_8k_all: 8 KiB for every type, the ring before session k).
     "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
     "bulk_persist4": [(GRID, "std::min<int64_t>(row_groups, 132 * 4)")],  # 4 x 48 KiB rings
     "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
@@ -116,7 +118,8 @@ VARIANTS = {
     # team8_16packs is the rule before, a team of 8 for up to 16 packs per thread per input
     # (65536 x 1024 bf16 forward: 0.1164 ms, against 0.1088 with a warp per row as merged);
     # tpr_8packs_warp also caps a warp at 8 packs (8 KiB rows: whole blocks, the bulk forward;
-    # session k: much slower, (65536, 2048) fp32 0.5814 vs 0.3910 ms); tpr_4packs caps both at 4 (65536 x 1024 fp32: 0.2396 vs 0.1990, slower);
+    # session k: much slower, (65536, 2048) fp32 0.5814 vs 0.3910 ms); tpr_4packs caps both at
+    # 4 (65536 x 1024 fp32: 0.2396 vs 0.1990, slower);
     # fwd_unroll2 keeps 2 packs per input in flight instead of 4 (0.2017 vs 0.1990, no gain).
     "team8_16packs": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("8 * 8", "8 * 16"))],
     "tpr_8packs_warp": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("32 * 16", "32 * 8"))],
@@ -126,7 +129,8 @@ VARIANTS = {
     # SASS: each iteration waits on its shared-memory loads), unrolled by 2 (bf16: a thread's
     # 2 packs of each 8 KiB chunk in one iteration). Time at 32768x8192 bf16. Built for sm_90:
     # bf16 p = 2 48 registers, no spills; the double general-p instances spill (24 / 64 bytes),
-    # so a merge would unroll only K != kOther. Session k: 0.4139 vs 0.4005 ms, slower.
+    # so a merge would unroll only K != kOther. Session k: 0.4139 vs 0.4005 ms, slower, with the
+    # 8 KiB ring; on the 4 KiB ring merged since, a bf16 thread has one pack per chunk.
     "bulk_unroll2": [(BULK_LOOP, BULK_LOOP.replace("\n", "\n#pragma unroll 2\n"))],
 }
 
