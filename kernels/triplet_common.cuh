@@ -265,7 +265,8 @@ struct RowConfig {
 //   shape gets the same slices, so the same bits, on every GPU.
 //   Slices of at least kMinSliceBytes = 32 KiB per input (8 x 16-byte packs per thread of each
 //   input, two trips of the 4-deep unrolled loop): shorter rows are not worth a second pass.
-//   Both constants are first guesses, not tuned (scripts/variants.py has split_* variants).
+//   Both constants began as guesses (scripts/variants.py has split_* variants). More slices are
+//   slower: (4, 16777216) bf16 forward 2048 blocks 0.1324 ms, 4096 0.1521, 1024 0.1209.
 constexpr int64_t kFillBlocks = 1024;
 constexpr int64_t kMinSliceBytes = 32 * 1024;
 constexpr int64_t kTeamFillBlocks = kFillBlocks;  // 0: team size from the row length alone
@@ -341,14 +342,16 @@ struct TripletRows {
 //   Forward, 2-byte elements: 4 x 4 KiB = 48 KiB, 4 blocks per SM. A bf16 row of 8192 is 2
 //   chunks of 8 KiB per input, so each block's ring ran dry at each row's end; at (32768, 8192)
 //   bf16: 4 x 4 KiB 0.3700 ms, 2 x 16 KiB 0.3879, register loads 0.3865, 2 persistent blocks
-//   per SM 0.3748, 4 x 8 KiB 0.4005 (torch.compile 0.3845).
+//   per SM 0.3748, 4 x 8 KiB 0.4005 (torch.compile 0.3845). Split rows (slices of >= 32 KiB,
+//   so no ring runs dry) keep 4 x 8 KiB in every dtype: bf16 (4, 16777216) 0.1188 ms against
+//   0.1216 / 0.1218 for 4 x 4 KiB, (16, 4194304) 0.1117 against 0.1148 / 0.1144.
 //   Backward: 4 stages x 3 x 4 KiB = 48 KiB, 4 blocks per SM (more blocks keep more gradient
 //   stores going while others wait on copies). Forward + backward at (32768, 8192) fp32:
 //   4 x 4 KiB 2.281 ms, 6 x 4 KiB 2.281, 4 x 8 KiB 2.309, 3 x 8 KiB 2.317, 2 x 8 KiB 2.321;
 //   register loads (no ring) 2.397-2.403.
 constexpr int kForwardStages = 4;
-template <typename T>
-constexpr int kForwardChunkBytes = sizeof(T) < 4 ? 4096 : 8192;
+template <typename T, bool kSplitRows>
+constexpr int kForwardChunkBytes = sizeof(T) < 4 && !kSplitRows ? 4096 : 8192;
 constexpr int kBackwardStages = 4;
 constexpr int kBackwardChunkBytes = 4096;
 constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be worth a ring

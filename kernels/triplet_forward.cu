@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // Long aligned rows: the copy engine streams each row (or, for split rows, each slice) through
 // shared memory (BulkRing, in triplet_common.cuh); the whole block reduces each stage.
-template <typename T, NormKind K, bool SWAP>
+template <typename T, NormKind K, bool SWAP, int kChunkBytes>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_forward_bulk_kernel(const ForwardArgs<T> args) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  using Ring = BulkRing<T, kForwardStages, kForwardChunkBytes<T>, RowChunks>;
+  using Ring = BulkRing<T, kForwardStages, kChunkBytes, RowChunks>;
   __shared__ __align__(8) uint64_t full[kForwardStages];
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
 
@@ -277,6 +277,15 @@ __global__ void __launch_bounds__(kSumThreads)
   if (threadIdx.x == 0) out[0] = static_cast<T>(v / divisor);
 }
 
+// The bulk forward with its ring's chunk size (kForwardChunkBytes: split rows differ for 2-byte
+// dtypes).
+template <typename T, NormKind K, bool SWAP, bool kSplitRows>
+void launch_forward_bulk(int64_t grid, cudaStream_t stream, const ForwardArgs<T>& args) {
+  constexpr int kChunkBytes = kForwardChunkBytes<T, kSplitRows>;
+  launch_bulk(triplet_forward_bulk_kernel<T, K, SWAP, kChunkBytes>,
+              BulkRing<T, kForwardStages, kChunkBytes, RowChunks>::kSmemBytes, grid, stream, args);
+}
+
 // ---- host op -------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
@@ -333,10 +342,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
       if constexpr (TPR == kBlockThreads) {
         if (cfg.splits > 1) {  // two launches whatever the reduction
           if (bulk) {
-            launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
-                        BulkRing<scalar_t, kForwardStages, kForwardChunkBytes<scalar_t>,
-                                 RowChunks>::kSmemBytes,
-                        cfg.grid, stream, args);
+            launch_forward_bulk<scalar_t, K, SWAP, /*split rows*/ true>(cfg.grid, stream, args);
           } else {
             triplet_forward_split_kernel<scalar_t, K, SWAP><<<cfg.grid, kBlockThreads, 0,
                                                               stream>>>(args);
@@ -347,10 +353,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
           return;
         }
         if (bulk) {
-          launch_bulk(triplet_forward_bulk_kernel<scalar_t, K, SWAP>,
-                      BulkRing<scalar_t, kForwardStages, kForwardChunkBytes<scalar_t>,
-                               RowChunks>::kSmemBytes,
-                      cfg.grid, stream, args);
+          launch_forward_bulk<scalar_t, K, SWAP, /*split rows*/ false>(cfg.grid, stream, args);
           return;
         }
       }

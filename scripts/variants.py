@@ -30,7 +30,7 @@ BULK = "return vectorized && cfg.threads_per_row == kBlockThreads &&"
 BULK_LOOP = ("ring.chunks.chunk_elems(sp, col) / kVec);\n"
              "      for (int v = threadIdx.x; v < packs; v += kBlockThreads) {")
 STAGES = "constexpr int kForwardStages = 4;"
-CHUNK = "constexpr int kForwardChunkBytes = sizeof(T) < 4 ? 4096 : 8192;"
+CHUNK = "constexpr int kForwardChunkBytes = sizeof(T) < 4 && !kSplitRows ? 4096 : 8192;"
 BWD_STAGES = "constexpr int kBackwardStages = 4;"
 BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
 BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
@@ -54,8 +54,9 @@ VARIANTS = {
     "nobulk_tpr128": [(TPR_RULE, TPR_RULE.replace("kBlockThreads);", "128);")),
                       (TPR_DEFAULT, TPR_DEFAULT.replace("kBlockThreads>", "128>"))],
     "nobulk_block512": [(BULK, "return false &&"), (BLOCK, BLOCK.replace("256", "512"))],
-    # CHUNK edits of "8192" change the ring of 4-byte and wider types only; 2-byte types keep
-    # 4 KiB chunks (fwd_chunk_8k_all: 8 KiB for every type, the ring before session k).
+    # CHUNK edits of "8192" change the ring of 4-byte and wider types and of split rows only;
+    # whole rows of 2-byte types keep 4 KiB chunks (fwd_chunk_8k_all: 8 KiB for every type, the
+    # ring before session k).
     "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
     "bulk_persist4": [(GRID, "std::min<int64_t>(row_groups, 132 * 4)")],  # 4 x 48 KiB rings
     "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
@@ -68,11 +69,13 @@ VARIANTS = {
     # split rows (time with --shape 16x4194304 or 4x16777216)
     "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
     "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
+    # session l, (4, 16777216) bf16: 2048 0.1324 ms, 4096 0.1521, against 1024 0.1209; fewer:
+    "split_fill512": [(FILL, FILL.replace("1024", "512"))],
     "split_slice8k": [(SLICE, SLICE.replace("32 * 1024", "8 * 1024"))],  # few 8-32 KiB rows split
     "split_slice4k": [(SLICE, SLICE.replace("32 * 1024", "4 * 1024"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
-    "split_ldg": [("          if (bulk) {\n            launch_bulk(triplet_forward_bulk_kernel",
-                   "          if (false) {\n            launch_bulk(triplet_forward_bulk_kernel")],
+    "split_ldg": [("          if (bulk) {\n            launch_forward_bulk",
+                   "          if (false) {\n            launch_forward_bulk")],
     # backward (time with --backward): the bulk-copy ring's shape, stores, register loads
     "bwd_ring_4k_x6": [(BWD_STAGES, BWD_STAGES.replace("4", "6"))],  # 72 KiB: 3 blocks per SM
     "bwd_ring_8k_x4": [(BWD_CHUNK, BWD_CHUNK.replace("4096", "8192"))],  # 96 KiB: 2 per SM

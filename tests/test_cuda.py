@@ -74,8 +74,9 @@ def test_every_p(pnorm, swap, shape):
 
 
 # Fewer than 512 rows of more than 32 KiB: rows cut into column slices, one block each, then a
-# second kernel combining them (16-byte aligned rows, odd rows on the scalar path, one row).
-SPLIT_SHAPES = [(4, 65536), (300, 9000), (3, 100003), (1, 1 << 20)]
+# second kernel combining them (16-byte aligned rows, odd rows on the scalar path, one row;
+# (2, 20008): aligned rows whose last slice ends in a part chunk of the bulk ring).
+SPLIT_SHAPES = [(4, 65536), (300, 9000), (3, 100003), (1, 1 << 20), (2, 20008)]
 
 
 @pytest.mark.parametrize("shape", SPLIT_SHAPES)
