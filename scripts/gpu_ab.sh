@@ -20,6 +20,13 @@ if [ "${1:-test}" = test ]; then
     > "$out/pytest_ab.txt" 2>&1
   tail -3 "$out/pytest_ab.txt"
   timeout 180 bash scripts/sanitize.sh | tee "$out/sanitize_summary.txt"
+  # Where (128, 4096) forward's ~1 us behind torch.compile goes: each contender's kernels and
+  # the gaps between them, in order (scripts/profile_case.py --timeline).
+  for c in fused compile; do
+    timeout 90 python3 scripts/profile_case.py --shape 128x4096 --dtype fp32 --forward-only \
+      --contender $c --timeline > "$out/timeline_128x4096_fp32_$c.txt" 2>&1
+    tail -8 "$out/timeline_128x4096_fp32_$c.txt"
+  done
   wait
   exit 0
 fi
