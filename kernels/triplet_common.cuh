@@ -490,6 +490,52 @@ inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size
          compute_capability_major(on) >= 9;
 }
 
+// ---- chained launches (sm_90 programmatic dependent launch) -------------------------------------
+// A reduction's one-block follow-up kernel (the forward's sum of block sums, or its combining of
+// split rows) normally starts only after the main grid has finished and the launch gap has
+// passed; at (128, 4096) the whole forward is ~10 us, so that gap counts. With programmatic
+// dependent launch the follow-up is scheduled once every block of the main grid has started
+// (allow_follow_up, at each main kernel's start) and waits in wait_for_main_grid until the main
+// grid has finished and its writes are visible: same order, same results, less gap. Both are
+// no-ops when the launch did not ask for it and compile to nothing before sm_90.
+// kChainFollowUps: off until measured (scripts/variants.py chain_follow_ups).
+constexpr bool kChainFollowUps = false;
+
+__device__ __forceinline__ void allow_follow_up() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kChainFollowUps) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_main_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kChainFollowUps) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Launches a one-block follow-up kernel after the main grid on `stream`: chained on sm_90+ when
+// kChainFollowUps, a plain launch otherwise.
+template <typename... Params, typename... Args>
+void launch_follow_up(void (*kernel)(Params...), int threads, cudaStream_t stream,
+                      const at::Tensor& on, const Args&... args) {
+  if (kChainFollowUps && compute_capability_major(on) >= 9) {
+    cudaLaunchAttribute chain[1];
+    chain[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    chain[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = chain;
+    config.numAttrs = 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...));
+  } else {
+    kernel<<<1, threads, 0, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 // Launches a bulk-copy kernel with its ring's shared memory (above the 48 KiB default).
 template <typename... Params, typename... Args>
 void launch_bulk(void (*kernel)(Params...), int smem_bytes, int64_t grid, cudaStream_t stream,

@@ -123,6 +123,7 @@ __device__ __forceinline__ void accumulate_row(const ForwardArgs<T>& args, int64
 template <typename T, NormKind K, int TPR, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_forward_kernel(const ForwardArgs<T> args) {
+  allow_follow_up();
   using A = acc_t<T>;
   constexpr int kRowsPerBlock = kBlockThreads / TPR;
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // the host launches this only on sm_90+
 #else
+  allow_follow_up();
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
@@ -212,6 +214,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 template <typename T, NormKind K, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_forward_split_kernel(const ForwardArgs<T> args) {
+  allow_follow_up();
   using A = acc_t<T>;
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
   const Norm<A, K> norm{args.norm};
@@ -244,6 +247,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __shared__ double smem[kBlockThreads / 32];
   const Norm<A, K> norm{args.norm};
   const int64_t slices = args.rows * args.splits;
+  wait_for_main_grid();  // the partials
   double loss_sum = 0.0;
   for (int64_t row = threadIdx.x; row < args.rows; row += kBlockThreads) {
     RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
@@ -271,6 +275,7 @@ __global__ void __launch_bounds__(kSumThreads)
     sum_partials_kernel(const A* __restrict__ partials, int64_t count, double divisor,
                         T* __restrict__ out) {
   __shared__ double smem[kSumThreads / 32];
+  wait_for_main_grid();  // the block sums
   double v = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += kSumThreads) v += static_cast<double>(partials[i]);
   v = block_sum<kSumThreads>(v, smem);
@@ -348,8 +353,9 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
                                                               stream>>>(args);
           }
           C10_CUDA_KERNEL_LAUNCH_CHECK();
-          finish_split_rows_kernel<scalar_t, K, SWAP><<<1, kBlockThreads, 0, stream>>>(
-              args, divisor, reduction == kNone ? nullptr : loss.mutable_data_ptr<scalar_t>());
+          launch_follow_up(finish_split_rows_kernel<scalar_t, K, SWAP>, kBlockThreads, stream,
+                           anchor, args, divisor,
+                           reduction == kNone ? nullptr : loss.mutable_data_ptr<scalar_t>());
           return;
         }
         if (bulk) {
@@ -361,9 +367,9 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (reduction != kNone && cfg.splits == 1) {
-      sum_partials_kernel<scalar_t, A><<<1, kSumThreads, 0, stream>>>(
-          args.block_sums, cfg.grid, divisor, loss.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_follow_up(sum_partials_kernel<scalar_t, A>, kSumThreads, stream, anchor,
+                       static_cast<const A*>(args.block_sums), cfg.grid, divisor,
+                       loss.mutable_data_ptr<scalar_t>());
     }
   });
   return {loss, dists};

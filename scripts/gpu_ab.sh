@@ -9,7 +9,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="split_fill512"
+variants="split_fill512 chain_follow_ups"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -33,13 +33,17 @@ fi
 # Session l: more column slices per split row were slower ((4, 16777216) bf16 forward: 2048
 # blocks 0.1324 ms, 4096 0.1521, 1024 0.1209; torch.compile 0.1183); fewer (512 blocks, slices
 # twice as long) not yet measured. The fill constant also sets the team rule's and the backward's
-# few-rows thresholds, so time fwd+bwd too.
+# few-rows thresholds, so time fwd+bwd too. chain_follow_ups: the forward's one-block follow-up
+# kernel chained to its main grid (programmatic dependent launch; kChainFollowUps), for the small
+# cases torch.compile wins by ~1 us ((128, 4096) fp32 and bf16) and split rows.
 # Each variants.py run times torch.compile too (~25 s per contender); forward unless --backward.
 ab() {  # shape dtype variant,variant... [--backward]
   timeout 150 python3 scripts/variants.py --shape "$1" --dtype "$2" ${4:-} $v "base,$3" \
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
-ab 4x16777216 bf16 split_fill512
+ab 4x16777216 bf16 split_fill512,chain_follow_ups
 ab 16x4194304 bf16 split_fill512
 ab 4x16777216 fp32 split_fill512
 ab 16x4194304 fp32 split_fill512 --backward
+ab 128x4096 fp32 chain_follow_ups
+ab 128x4096 bf16 chain_follow_ups

@@ -135,6 +135,11 @@ VARIANTS = {
     # so a merge would unroll only K != kOther. Session k: 0.4139 vs 0.4005 ms, slower, with the
     # 8 KiB ring; on the 4 KiB ring merged since, a bf16 thread has one pack per chunk.
     "bulk_unroll2": [(BULK_LOOP, BULK_LOOP.replace("\n", "\n#pragma unroll 2\n"))],
+    # The forward's one-block follow-up ('mean' / 'sum' of block sums; split rows' combining)
+    # chained to its main grid by programmatic dependent launch (triplet_common.cuh). Time at
+    # 128x4096 and other small shapes (this script times ModelNew: 'mean'), and split rows.
+    "chain_follow_ups": [("constexpr bool kChainFollowUps = false;",
+                          "constexpr bool kChainFollowUps = true;")],
 }
 
 
