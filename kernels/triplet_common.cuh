@@ -499,7 +499,7 @@ inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size
 // grid has finished and its writes are visible: same order, same results, less gap. Both are
 // no-ops when the launch did not ask for it and compile to nothing before sm_90.
 // kChainFollowUps: off until measured (scripts/variants.py chain_follow_ups).
-constexpr bool kChainFollowUps = false;
+constexpr bool kChainFollowUps = true;
 
 __device__ __forceinline__ void allow_follow_up() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
