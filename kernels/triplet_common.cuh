@@ -265,9 +265,12 @@ struct RowConfig {
 //   shape gets the same slices, so the same bits, on every GPU.
 //   Slices of at least kMinSliceBytes = 32 KiB per input (8 x 16-byte packs per thread of each
 //   input, two trips of the 4-deep unrolled loop): shorter rows are not worth a second pass.
-//   Both constants began as guesses (scripts/variants.py has split_* variants). More slices are
-//   slower: (4, 16777216) bf16 forward 2048 blocks 0.1324 ms, 4096 0.1521, 1024 0.1209.
+//   Both constants began as guesses (scripts/variants.py has split_* variants).
+//   kSplitBlocks = 512: the slices per row aim at half of kFillBlocks, fewer and longer slices
+//   whose bulk-copy rings stream longer per block: (4, 16777216) bf16 forward 0.1122 ms against
+//   0.1177 at 1024 (2048: 0.1324, 4096: 0.1521; torch.compile 0.1162; H200, sessions l-m).
 constexpr int64_t kFillBlocks = 1024;
+constexpr int64_t kSplitBlocks = 512;
 constexpr int64_t kMinSliceBytes = 32 * 1024;
 constexpr int64_t kTeamFillBlocks = kFillBlocks;  // 0: team size from the row length alone
 
@@ -300,7 +303,7 @@ inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size)
   cfg.split_elems = dim;
   if (cfg.threads_per_row == kBlockThreads && rows < kFillBlocks / 2) {
     const int64_t row_bytes = dim * elem_size;
-    const int64_t want = (kFillBlocks + rows - 1) / rows;  // slices per row to fill the GPU
+    const int64_t want = (kSplitBlocks + rows - 1) / rows;  // slices per row
     int64_t slice_bytes = std::max(kMinSliceBytes, (row_bytes + want - 1) / want);
     slice_bytes = (slice_bytes + kVecBytes - 1) / kVecBytes * kVecBytes;  // slices stay aligned
     const int64_t splits = (row_bytes + slice_bytes - 1) / slice_bytes;
