@@ -501,7 +501,8 @@ inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size
 // (allow_follow_up, at each main kernel's start) and waits in wait_for_main_grid until the main
 // grid has finished and its writes are visible: same order, same results, less gap. Both are
 // no-ops when the launch did not ask for it and compile to nothing before sm_90.
-// kChainFollowUps: off until measured (scripts/variants.py chain_follow_ups).
+// kChainFollowUps: H200 forward 'mean', chained vs not: (128, 4096) fp32 0.0093 vs 0.0108 ms,
+// bf16 0.0091 vs 0.0100, (1024, 128) fp32 0.0069 vs 0.0084 (session m; variant unchain_follow_ups).
 constexpr bool kChainFollowUps = true;
 
 __device__ __forceinline__ void allow_follow_up() {

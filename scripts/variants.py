@@ -47,6 +47,7 @@ CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
 L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
 SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
+SPLIT_BLOCKS = "constexpr int64_t kSplitBlocks = 512;"
 
 VARIANTS = {
     "base": [],
@@ -66,13 +67,18 @@ VARIANTS = {
     "bulk_4k_x4": [(CHUNK, CHUNK.replace("8192", "4096"))],  # fp32 too; 48 KiB: 4 blocks per SM
     "fwd_chunk_8k_all": [(CHUNK, CHUNK.replace("4096", "8192"))],  # 2-byte dtypes as before k
     "bulk_4k_x6": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "6"))],
-    # split rows (time with --shape 16x4194304 or 4x16777216)
-    "split_fill2048": [(FILL, FILL.replace("1024", "2048"))],
-    "split_fill4096": [(FILL, FILL.replace("1024", "4096"))],
-    # session l, (4, 16777216) bf16: 2048 0.1324 ms, 4096 0.1521, against 1024 0.1209; fewer:
+    # split rows (time with --shape 16x4194304 or 4x16777216). Blocks the slices aim at, session
+    # l (as kFillBlocks), (4, 16777216) bf16: 2048 0.1324 ms, 4096 0.1521, 1024 0.1209; session m:
+    # 512 0.1122 vs 1024 0.1177, merged as kSplitBlocks. split_fill512 (kFillBlocks, which also
+    # sets the team rule, the split threshold and the backward's few-rows rules) is kept to A/B.
     "split_fill512": [(FILL, FILL.replace("1024", "512"))],
+    "split_blocks1024": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "1024"))],
+    "split_blocks256": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "256"))],
+    # Rows of 8-32 KiB split too: (128, 4096) has 128 blocks for 132 SMs; with the chained
+    # follow-up (session m) the combining kernel costs less than it did.
     "split_slice8k": [(SLICE, SLICE.replace("32 * 1024", "8 * 1024"))],  # few 8-32 KiB rows split
     "split_slice4k": [(SLICE, SLICE.replace("32 * 1024", "4 * 1024"))],
+    "split_slice2k": [(SLICE, SLICE.replace("32 * 1024", "2 * 1024"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
     "split_ldg": [("          if (bulk) {\n            launch_forward_bulk",
                    "          if (false) {\n            launch_forward_bulk")],
@@ -136,10 +142,11 @@ VARIANTS = {
     # 8 KiB ring; on the 4 KiB ring merged since, a bf16 thread has one pack per chunk.
     "bulk_unroll2": [(BULK_LOOP, BULK_LOOP.replace("\n", "\n#pragma unroll 2\n"))],
     # The forward's one-block follow-up ('mean' / 'sum' of block sums; split rows' combining)
-    # chained to its main grid by programmatic dependent launch (triplet_common.cuh). Time at
-    # 128x4096 and other small shapes (this script times ModelNew: 'mean'), and split rows.
-    "chain_follow_ups": [("constexpr bool kChainFollowUps = false;",
-                          "constexpr bool kChainFollowUps = true;")],
+    # launched plainly, not chained to its main grid (triplet_common.cuh). Session m, chained vs
+    # this: (128, 4096) fp32 0.0093 vs 0.0108 ms, bf16 0.0091 vs 0.0100, (1024, 128) fp32 0.0069
+    # vs 0.0084 (this script times ModelNew: 'mean').
+    "unchain_follow_ups": [("constexpr bool kChainFollowUps = true;",
+                            "constexpr bool kChainFollowUps = false;")],
 }
 
 
