@@ -330,27 +330,33 @@ def test_compile_reduce_overhead_forward_backward():
         torch.testing.assert_close(x, y)
 
 
-def test_cuda_graph_capture_and_replay():
-    static = [x.requires_grad_() for x in rand_triplet((256, 1024), device=DEV, seed=12)]
+# Whole rows, whose 'mean' / 'sum' follow-up kernel sums block sums, and split rows ((4, 65536)
+# fp32: 8 slices per row), whose follow-up combines the slices; on sm_90 both follow-ups are
+# chained to their main grid (programmatic dependent launch), which a graph must keep.
+@pytest.mark.parametrize("shape", [(256, 1024), (4, 65536)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cuda_graph_capture_and_replay(shape, reduction):
+    static = [x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=12)]
+    loss_fn = lambda *x: fused_loss(*x, reduction=reduction).sum()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up outside the capture
         for _ in range(2):
-            fused_loss(*static).backward()
+            loss_fn(*static).backward()
     torch.cuda.current_stream().wait_stream(side)
     for x in static:
         x.grad = None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss = fused_loss(*static)
+        loss = loss_fn(*static)
         loss.backward()
-    fresh = rand_triplet((256, 1024), device=DEV, seed=13)
+    fresh = rand_triplet(shape, device=DEV, seed=13)
     with torch.no_grad():
         for s, f in zip(static, fresh):
             s.copy_(f)
     graph.replay()
     torch.cuda.synchronize()
-    ref_loss, ref_grads = grads(lambda *x: fused_loss(*x), [f.requires_grad_() for f in fresh])
+    ref_loss, ref_grads = grads(loss_fn, [f.requires_grad_() for f in fresh])
     torch.testing.assert_close(loss.detach(), ref_loss)
     for s, r in zip(static, ref_grads):
         torch.testing.assert_close(s.grad, r)
