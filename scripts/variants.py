@@ -98,6 +98,10 @@ VARIANTS = {
     "bwd_no_pointwise": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "0"))],
     "bwd_pointwise_8m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(8) << 20"))],
     "bwd_pointwise_32m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(32) << 20"))],
+    # Session m: fwd+bwd at (262144, 256) / (65536, 1024) runs 3-4% behind torch.compile, whose
+    # backward is pointwise; ours takes the flat ring above 16 MiB per input. Pointwise up to
+    # 1 GiB per input (its 32-bit pack index holds 64 GiB).
+    "bwd_pointwise_1g": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30"))],
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
@@ -134,6 +138,10 @@ VARIANTS = {
     "tpr_8packs_warp": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("32 * 16", "32 * 8"))],
     "tpr_4packs": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("8 * 8", "8 * 4").replace("32 * 16", "32 * 4"))],
     "fwd_unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
+    # Session m, not kept: more resident team-forward blocks by a register cap,
+    # __launch_bounds__(256, 6) with 3 packs in flight (40 registers) or (256, 8) with 2 (32),
+    # spill in every p = 2 / p = 1 instantiation (fp32 TPR 8: 32-56 bytes; sm_90 -Xptxas -v):
+    # pointers, row sums and the swap distance need more than the loads.
     # The bulk forward's consumer loop, one pack of each input per iteration (not unrolled in the
     # SASS: each iteration waits on its shared-memory loads), unrolled by 2 (bf16: a thread's
     # 2 packs of each 8 KiB chunk in one iteration). Time at 32768x8192 bf16. Built for sm_90:
