@@ -358,6 +358,14 @@ constexpr int kForwardChunkBytes = sizeof(T) < 4 && !kSplitRows ? 4096 : 8192;
 constexpr int kBackwardStages = 4;
 constexpr int kBackwardChunkBytes = 4096;
 constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be worth a ring
+// The forward's ring for many short contiguous rows (triplet_forward_rows_ring_kernel): 8 KiB
+// chunks of whole rows, for rows of 1 KiB (8 per chunk, a warp each) or 4 KiB (2 per chunk, 4
+// warps each), from kRowsRingMinBytes per input (smaller inputs keep the team kernel's plain
+// loads: each block would fill its ring for one or two chunks). Rows of 1-4 KiB ran at 3.99-4.06
+// TB/s with plain loads (H200, fp32 forward, session m) against the long-row ring's 4.58.
+constexpr bool kRowsRing = true;  // false: the team kernel (A/B)
+constexpr int kRowsRingChunkBytes = 8192;
+constexpr int64_t kRowsRingMinBytes = int64_t(16) << 20;
 
 // Where chunk c of a block's sequence lies: element offsets in a, p, n and in the contiguous
 // (rows, dim) gradients / flat view, and its length.

@@ -209,6 +209,62 @@ __global__ void __launch_bounds__(kBlockThreads)
 #endif
 }
 
+// Many short contiguous rows (sm_90): the copy engine streams a, p, n as flat arrays through the
+// same ring (FlatChunks: block b takes chunks [b * per_block, + per_block)); rows of kTeam * 32
+// bytes divide the 8 KiB chunk, so each chunk holds kRowsPerChunk whole rows, a team of kTeam
+// threads each, and every thread reduces 2 packs per input per chunk, as in the long-row ring.
+template <typename T, NormKind K, bool SWAP, int kTeam>
+__global__ void __launch_bounds__(kBlockThreads)
+    triplet_forward_rows_ring_kernel(const ForwardArgs<T> args, int64_t per_block) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the host launches this only on sm_90+
+#else
+  allow_follow_up();
+  using A = acc_t<T>;
+  constexpr int kChunkBytes = kRowsRingChunkBytes;
+  using Ring = BulkRing<T, kForwardStages, kChunkBytes, FlatChunks>;
+  constexpr int kRowsPerChunk = kBlockThreads / kTeam;
+  constexpr int kRowPacks = kChunkBytes / kVecBytes / kRowsPerChunk;
+  static_assert(kRowPacks % kTeam == 0, "a team's threads take the same number of packs");
+  extern __shared__ __align__(128) unsigned char stage_mem[];
+  __shared__ __align__(8) uint64_t full[kForwardStages];
+  __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
+  __shared__ A smem_sum[kBlockThreads / 32];
+
+  const Norm<A, K> norm{args.norm};
+  Ring ring(args, stage_mem, full, FlatChunks<T, Ring::kChunkElems>(args, per_block));
+  const int team = threadIdx.x / kTeam;
+  const int lane = threadIdx.x % kTeam;
+  A team_loss_sum = A(0);
+  int64_t row = ring.chunks.first * kRowsPerChunk + team;
+  for (int64_t c = 0; c < ring.chunks.total; ++c, row += kRowsPerChunk) {  // block-uniform
+    const unsigned char* stage = ring.wait(c);
+    RowSums<A> s{norm.identity(), norm.identity(), norm.identity()};
+    if (row < args.rows) {  // the last chunk may hold fewer rows
+#pragma unroll
+      for (int k = 0; k < kRowPacks / kTeam; ++k) {
+        const int v = team * kRowPacks + k * kTeam + lane;
+        const Pack<T> pa = ring.pack(stage, 0, v), pp = ring.pack(stage, 1, v),
+                      pn = ring.pack(stage, 2, v);
+#pragma unroll
+        for (int j = 0; j < Pack<T>::kN; ++j) {
+          accumulate3<SWAP>(norm, s, to_acc<A>(pa.v[j]), to_acc<A>(pp.v[j]),
+                            to_acc<A>(pn.v[j]), args.eps);
+        }
+      }
+    }
+    ring.release(args, c);  // the packs are in registers: the stage can refill meanwhile
+    s = team_reduce<kTeam>(s, norm, smem_rows);
+    if (row < args.rows && lane == 0) finish_row<SWAP>(args, norm, s, row, team_loss_sum);
+  }
+  if (args.block_sums != nullptr) {
+    // Lane 0 of each team holds its rows' sum; other lanes add 0. Fixed order.
+    const A total = block_sum<kBlockThreads>(lane == 0 ? team_loss_sum : A(0), smem_sum);
+    if (threadIdx.x == 0) args.block_sums[blockIdx.x] = total;
+  }
+#endif
+}
+
 // Few long rows: block b computes slice b % splits of row b / splits (the same code as one
 // row of triplet_forward_kernel, on a column range) and writes its three partial sums.
 template <typename T, NormKind K, bool SWAP>
@@ -291,6 +347,45 @@ void launch_forward_bulk(int64_t grid, cudaStream_t stream, const ForwardArgs<T>
               BulkRing<T, kForwardStages, kChunkBytes, RowChunks>::kSmemBytes, grid, stream, args);
 }
 
+// Where the short-rows ring applies: its team (threads per row) and grid, or team 0.
+struct RowsRingConfig {
+  int team = 0;
+  int64_t per_block = 0;  // consecutive chunks per block
+  int64_t grid = 0;
+};
+
+// sm_90, rows not split, contiguous and 16-byte aligned (a, p, n read as flat arrays), of
+// exactly 1 or 4 KiB (kRowsRingChunkBytes / kBlockThreads = 32 bytes per thread per chunk), at
+// least kRowsRingMinBytes per input. Chunks per block: up to 8 (64 KiB per input, as one
+// (32768, 8192) fp32 row), fewer where that would leave fewer than kFillBlocks blocks.
+inline RowsRingConfig choose_rows_ring(const RowConfig& cfg, int64_t rows, int64_t dim,
+                                       int64_t elem_size, bool flat_rows, const at::Tensor& on) {
+  RowsRingConfig ring;
+  const int64_t row_bytes = dim * elem_size;
+  if (!kRowsRing || !flat_rows || cfg.splits != 1 || (row_bytes != 1024 && row_bytes != 4096) ||
+      rows * row_bytes < kRowsRingMinBytes || compute_capability_major(on) < 9) {
+    return ring;
+  }
+  const int64_t chunks = (rows * row_bytes + kRowsRingChunkBytes - 1) / kRowsRingChunkBytes;
+  ring.team = static_cast<int>(row_bytes / (kRowsRingChunkBytes / kBlockThreads));
+  ring.per_block = std::max<int64_t>(1, std::min<int64_t>(8, chunks / kFillBlocks));
+  ring.grid = (chunks + ring.per_block - 1) / ring.per_block;
+  return ring;
+}
+
+template <typename T, NormKind K, bool SWAP>
+void launch_forward_rows_ring(const RowsRingConfig& ring, cudaStream_t stream,
+                              const ForwardArgs<T>& args) {
+  constexpr int kSmem = BulkRing<T, kForwardStages, kRowsRingChunkBytes, FlatChunks>::kSmemBytes;
+  if (ring.team == 32) {
+    launch_bulk(triplet_forward_rows_ring_kernel<T, K, SWAP, 32>, kSmem, ring.grid, stream, args,
+                ring.per_block);
+  } else {
+    launch_bulk(triplet_forward_rows_ring_kernel<T, K, SWAP, 128>, kSmem, ring.grid, stream, args,
+                ring.per_block);
+  }
+}
+
 // ---- host op -------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& anchor,
@@ -322,11 +417,16 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
   const bool vectorized = rows_aligned(a) && rows_aligned(pos) && rows_aligned(neg);
   const RowConfig cfg = choose_row_config(rows, dim, anchor.element_size());
   const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, anchor);
+  const bool flat_rows = vectorized && (rows == 1 || (a.stride(0) == dim && pos.stride(0) == dim &&
+                                                      neg.stride(0) == dim));
+  const RowsRingConfig ring =
+      choose_rows_ring(cfg, rows, dim, anchor.element_size(), flat_rows, anchor);
+  const int64_t grid = ring.team != 0 ? ring.grid : cfg.grid;  // blocks of the main kernel
   at::Tensor block_sums, partials;
   if (cfg.splits > 1) {
     partials = at::empty({3, rows * cfg.splits}, opts.dtype(acc_dtype));
   } else if (reduction != kNone) {
-    block_sums = at::empty({cfg.grid}, opts.dtype(acc_dtype));
+    block_sums = at::empty({grid}, opts.dtype(acc_dtype));
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const double divisor = reduction == kMean ? static_cast<double>(rows) : 1.0;
@@ -344,6 +444,10 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
       constexpr NormKind K = decltype(kind)::value;
       constexpr int TPR = decltype(tpr)::value;
       constexpr bool SWAP = decltype(sw)::value;
+      if (ring.team != 0) {  // the same instantiation whatever TPR
+        launch_forward_rows_ring<scalar_t, K, SWAP>(ring, stream, args);
+        return;
+      }
       if constexpr (TPR == kBlockThreads) {
         if (cfg.splits > 1) {  // two launches whatever the reduction
           if (bulk) {
@@ -368,7 +472,7 @@ std::tuple<at::Tensor, at::Tensor> triplet_margin_loss_cuda(const at::Tensor& an
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (reduction != kNone && cfg.splits == 1) {
       launch_follow_up(sum_partials_kernel<scalar_t, A>, kSumThreads, stream, anchor,
-                       static_cast<const A*>(args.block_sums), cfg.grid, divisor,
+                       static_cast<const A*>(args.block_sums), grid, divisor,
                        loss.mutable_data_ptr<scalar_t>());
     }
   });

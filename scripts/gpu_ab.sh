@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="split_slice4k split_slice2k split_slice8k split_blocks256 bwd_pointwise_1g"
+variants="no_rows_ring"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -24,26 +24,17 @@ if [ "${1:-test}" = test ]; then
   wait
   exit 0
 fi
-# Session m chained the forward's follow-up kernel (the combining of split rows costs less now)
-# and halved the slices per split row (kSplitBlocks 512). Still behind torch.compile: (128, 4096)
-# bf16 forward 0.0095 vs 0.0090 ms; its timeline has our main kernel at 4.26 us against
-# compile's 3.14 us reduction kernel, 128 blocks for 132 SMs. Queued: split those rows too
-# (kMinSliceBytes 32 KiB -> 8 / 4 / 2 KiB: 4096 fp32 rows into 2 / 4 slices, bf16 into 1 / 2 /
-# 4), and fewer slices still for split rows (256 blocks).
+# Branch rows-ring (session m, not yet run on a GPU): the forward's short-rows ring for 1 / 4 KiB
+# contiguous rows from 16 MiB per input, against the team kernel (no_rows_ring): session m's
+# sweep had (262144, 256) and (65536, 1024) fp32 at 0.98x torch.compile with the team kernel.
 # Each variants.py run times torch.compile too (~25 s per contender); forward unless --backward.
 ab() {  # shape dtype variant,variant... [--backward]
   timeout 150 python3 scripts/variants.py --shape "$1" --dtype "$2" ${4:-} $v "base,$3" \
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
-if [ "$1" = ab ]; then
-  ab 128x4096 fp32 split_slice8k,split_slice4k
-  ab 128x4096 bf16 split_slice4k,split_slice2k
-  ab 4x16777216 bf16 split_blocks256
-  ab 16x4194304 bf16 split_blocks256
-  exit 0
-fi
-# Session m's sweep: (262144, 256) and (65536, 1024) fp32 forward 0.98x torch.compile, fwd+bwd
-# 0.96-0.97x in both dtypes. Queued: the pointwise backward (compile's kind) above 16 MiB per
-# input. (A register cap for more resident team-forward blocks spills: scripts/variants.py.)
-ab 262144x256 fp32 bwd_pointwise_1g --backward
-ab 65536x1024 bf16 bwd_pointwise_1g --backward
+ab 262144x256 fp32 no_rows_ring
+ab 65536x1024 fp32 no_rows_ring
+ab 65536x1024 fp32 no_rows_ring --backward
+ab 16384x256 fp32 no_rows_ring
+ab 4096x1024 fp32 no_rows_ring
+ab 131072x512 bf16 no_rows_ring

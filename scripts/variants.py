@@ -47,6 +47,7 @@ CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
 L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
 SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
+ROWS_RING_MIN = "constexpr int64_t kRowsRingMinBytes = int64_t(16) << 20;"
 SPLIT_BLOCKS = "constexpr int64_t kSplitBlocks = 512;"
 
 VARIANTS = {
@@ -80,6 +81,12 @@ VARIANTS = {
     "split_slice4k": [(SLICE, SLICE.replace("32 * 1024", "4 * 1024"))],
     "split_slice2k": [(SLICE, SLICE.replace("32 * 1024", "2 * 1024"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
+    # The forward's short-rows ring (1 or 4 KiB contiguous rows, kRowsRing): off (the team
+    # kernel), or from 4 / 64 MiB per input instead of 16 (time at 262144x256, 65536x1024 fp32,
+    # and 16384x256 / 4096x1024 for the threshold).
+    "no_rows_ring": [("constexpr bool kRowsRing = true;", "constexpr bool kRowsRing = false;")],
+    "rows_ring_min4m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(16) << 20", "int64_t(4) << 20"))],
+    "rows_ring_min64m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(16) << 20", "int64_t(64) << 20"))],
     "split_ldg": [("          if (bulk) {\n            launch_forward_bulk",
                    "          if (false) {\n            launch_forward_bulk")],
     # backward (time with --backward): the bulk-copy ring's shape, stores, register loads

@@ -104,6 +104,38 @@ def test_split_rows(shape, dtype, pnorm):
                                     distance_scale(*args, pnorm, 1e-6, True))
 
 
+# Many contiguous rows of exactly 1 KiB or 4 KiB, >= 16 MiB per input: on sm_90 the short-rows
+# ring (8 KiB chunks of 8 or 2 whole rows; the last chunk here holds fewer), 1-8 chunks per
+# block ((65539, 256) fp32: 8). Broadcast and row-stride inputs of the same shapes keep the team
+# kernel.
+RING_SHAPES = [((16389, 256), torch.float32), ((4099, 1024), torch.float32),
+               ((65539, 256), torch.float32), ((16387, 512), torch.bfloat16),
+               ((4097, 2048), torch.bfloat16), ((16385, 128), torch.float64)]
+
+
+@pytest.mark.parametrize("shape,dtype", RING_SHAPES)
+@pytest.mark.parametrize("pnorm", [2.0, 1.0, math.inf, 3.0])
+def test_short_rows_ring(shape, dtype, pnorm):
+    a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=41)
+    for swap in (False, True):
+        kw = dict(p=pnorm, swap=swap)
+        ref = fp64_losses(a, p, n, 1.0, pnorm, 1e-6, swap)
+        sc = distance_scale(a, p, n, pnorm, 1e-6, swap)
+        for red, r, rs in (("none", ref, sc), ("mean", ref.mean(), sc.mean()),
+                           ("sum", ref.sum(), sc.sum())):
+            ours = fused(a, p, n, reduction=red, **kw)
+            assert ours.dtype == dtype
+            assert_as_accurate_as_torch(ours, F.triplet_margin_loss(a, p, n, reduction=red, **kw),
+                                        r, rs)
+    wide = torch.rand(shape[0], shape[1] + 8, device=DEV).to(dtype)
+    for args in ((a[:1], p, n), (a, wide[:, :shape[1]], n)):
+        ref = fp64_losses(*args, 1.0, pnorm, 1e-6, True)
+        assert_as_accurate_as_torch(fused(*args, p=pnorm, swap=True, reduction="none"),
+                                    F.triplet_margin_loss(*args, p=pnorm, swap=True,
+                                                          reduction="none"), ref,
+                                    distance_scale(*args, pnorm, 1e-6, True))
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("shape", [(1000, 64), (4, 5000), (3000, 700)])
 def test_reductions(reduction, shape):
