@@ -72,18 +72,25 @@ VARIANTS = {
     # l (as kFillBlocks), (4, 16777216) bf16: 2048 0.1324 ms, 4096 0.1521, 1024 0.1209; session m:
     # 512 0.1122 vs 1024 0.1177, merged as kSplitBlocks. split_fill512 (kFillBlocks, which also
     # sets the team rule, the split threshold and the backward's few-rows rules) is kept to A/B.
+    # Session n, 256 vs 512 (forward ms): (4, 16777216) bf16 0.1101 vs 0.1122 / 0.1121 and 0.1100
+    # vs 0.1124 / 0.1119; fp32 0.1964 vs 0.1974 / 0.1978; (16, 4194304) bf16 0.1084 vs 0.1086 /
+    # 0.1083; fp32 0.1951 vs 0.1938 / 0.1937. Mixed: not merged.
     "split_fill512": [(FILL, FILL.replace("1024", "512"))],
     "split_blocks1024": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "1024"))],
     "split_blocks256": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "256"))],
     # Rows of 8-32 KiB split too: (128, 4096) has 128 blocks for 132 SMs; with the chained
-    # follow-up (session m) the combining kernel costs less than it did.
+    # follow-up (session m) the combining kernel costs less than it did. Session n, forward ms:
+    # (128, 4096) fp32 8k 0.0098, 4k 0.0113 vs 0.0094 / 0.0095; bf16 4k 0.0095, 2k 0.0110 vs
+    # 0.0090 / 0.0093. Slower: not merged.
     "split_slice8k": [(SLICE, SLICE.replace("32 * 1024", "8 * 1024"))],  # few 8-32 KiB rows split
     "split_slice4k": [(SLICE, SLICE.replace("32 * 1024", "4 * 1024"))],
     "split_slice2k": [(SLICE, SLICE.replace("32 * 1024", "2 * 1024"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
     # The forward's short-rows ring (1 or 4 KiB contiguous rows, kRowsRing): off (the team
     # kernel), or from 4 / 64 MiB per input instead of 16 (time at 262144x256, 65536x1024 fp32,
-    # and 16384x256 / 4096x1024 for the threshold).
+    # and 16384x256 / 4096x1024 for the threshold). Session n, ring vs no_rows_ring (forward
+    # ms): (262144, 256) fp32 0.1943 / 0.1942 vs 0.2016; (65536, 1024) fp32 0.1909 / 0.1910 vs
+    # 0.1985; (131072, 512) bf16 0.1082 / 0.1081 vs 0.1097. Merged. Thresholds not yet timed.
     "no_rows_ring": [("constexpr bool kRowsRing = true;", "constexpr bool kRowsRing = false;")],
     "rows_ring_min4m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(16) << 20", "int64_t(4) << 20"))],
     "rows_ring_min64m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(16) << 20", "int64_t(64) << 20"))],
@@ -107,7 +114,9 @@ VARIANTS = {
     "bwd_pointwise_32m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(32) << 20"))],
     # Session m: fwd+bwd at (262144, 256) / (65536, 1024) runs 3-4% behind torch.compile, whose
     # backward is pointwise; ours takes the flat ring above 16 MiB per input. Pointwise up to
-    # 1 GiB per input (its 32-bit pack index holds 64 GiB).
+    # 1 GiB per input (its 32-bit pack index holds 64 GiB). Session n, fwd+bwd ms: (262144,
+    # 256) fp32 0.5885 vs 0.5904 / 0.5908; (65536, 1024) bf16 0.3117 vs 0.3088 / 0.3081. Mixed:
+    # not merged.
     "bwd_pointwise_1g": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30"))],
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
