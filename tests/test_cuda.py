@@ -73,6 +73,29 @@ def test_every_p(pnorm, swap, shape):
         assert ((ours - theirs).abs() <= 2 * bound).all(), ((ours - theirs).abs() / bound).max()
 
 
+def check_reductions_and_fallbacks(a, p, n, pnorm, pad):
+    """Every reduction with and without swap, then a broadcast anchor row (row stride 0) and a
+    row-stride view of p (`pad` extra columns), against torch and float64."""
+    rows, dim = a.shape
+    for swap in (False, True):
+        kw = dict(p=pnorm, swap=swap)
+        ref = fp64_losses(a, p, n, 1.0, pnorm, 1e-6, swap)
+        sc = distance_scale(a, p, n, pnorm, 1e-6, swap)
+        for red, r, rs in (("none", ref, sc), ("mean", ref.mean(), sc.mean()),
+                           ("sum", ref.sum(), sc.sum())):
+            ours = fused(a, p, n, reduction=red, **kw)
+            assert ours.dtype == a.dtype
+            assert_as_accurate_as_torch(ours, F.triplet_margin_loss(a, p, n, reduction=red, **kw),
+                                        r, rs)
+    wide = torch.rand(rows, dim + pad, device=a.device).to(a.dtype)
+    for args in ((a[:1], p, n), (a, wide[:, :dim], n)):
+        ref = fp64_losses(*args, 1.0, pnorm, 1e-6, True)
+        assert_as_accurate_as_torch(fused(*args, p=pnorm, swap=True, reduction="none"),
+                                    F.triplet_margin_loss(*args, p=pnorm, swap=True,
+                                                          reduction="none"), ref,
+                                    distance_scale(*args, pnorm, 1e-6, True))
+
+
 # Fewer than 512 rows of more than 32 KiB: rows cut into column slices, one block each, then a
 # second kernel combining them (16-byte aligned rows, odd rows on the scalar path, one row;
 # (2, 20008): aligned rows whose last slice ends in a part chunk of the bulk ring).
@@ -84,24 +107,7 @@ SPLIT_SHAPES = [(4, 65536), (300, 9000), (3, 100003), (1, 1 << 20), (2, 20008)]
 @pytest.mark.parametrize("pnorm", [2.0, 1.0, math.inf, 3.0])
 def test_split_rows(shape, dtype, pnorm):
     a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=31)
-    for swap in (False, True):
-        kw = dict(p=pnorm, swap=swap)
-        ref = fp64_losses(a, p, n, 1.0, pnorm, 1e-6, swap)
-        sc = distance_scale(a, p, n, pnorm, 1e-6, swap)
-        for red, r, rs in (("none", ref, sc), ("mean", ref.mean(), sc.mean()),
-                           ("sum", ref.sum(), sc.sum())):
-            ours = fused(a, p, n, reduction=red, **kw)
-            assert ours.dtype == dtype
-            assert_as_accurate_as_torch(ours, F.triplet_margin_loss(a, p, n, reduction=red, **kw),
-                                        r, rs)
-    # a broadcast anchor row (row stride 0) and a row-stride view, both split
-    wide = torch.rand(shape[0], shape[1] + 4, device=DEV).to(dtype)
-    for args in ((a[:1], p, n), (a, wide[:, :shape[1]], n)):
-        ref = fp64_losses(*args, 1.0, pnorm, 1e-6, True)
-        assert_as_accurate_as_torch(fused(*args, p=pnorm, swap=True, reduction="none"),
-                                    F.triplet_margin_loss(*args, p=pnorm, swap=True,
-                                                          reduction="none"), ref,
-                                    distance_scale(*args, pnorm, 1e-6, True))
+    check_reductions_and_fallbacks(a, p, n, pnorm, pad=4)  # the fallbacks are split too
 
 
 # Many contiguous rows of exactly 1 KiB or 4 KiB, >= 16 MiB per input: on sm_90 the short-rows
@@ -117,23 +123,7 @@ RING_SHAPES = [((16389, 256), torch.float32), ((4099, 1024), torch.float32),
 @pytest.mark.parametrize("pnorm", [2.0, 1.0, math.inf, 3.0])
 def test_short_rows_ring(shape, dtype, pnorm):
     a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=41)
-    for swap in (False, True):
-        kw = dict(p=pnorm, swap=swap)
-        ref = fp64_losses(a, p, n, 1.0, pnorm, 1e-6, swap)
-        sc = distance_scale(a, p, n, pnorm, 1e-6, swap)
-        for red, r, rs in (("none", ref, sc), ("mean", ref.mean(), sc.mean()),
-                           ("sum", ref.sum(), sc.sum())):
-            ours = fused(a, p, n, reduction=red, **kw)
-            assert ours.dtype == dtype
-            assert_as_accurate_as_torch(ours, F.triplet_margin_loss(a, p, n, reduction=red, **kw),
-                                        r, rs)
-    wide = torch.rand(shape[0], shape[1] + 8, device=DEV).to(dtype)
-    for args in ((a[:1], p, n), (a, wide[:, :shape[1]], n)):
-        ref = fp64_losses(*args, 1.0, pnorm, 1e-6, True)
-        assert_as_accurate_as_torch(fused(*args, p=pnorm, swap=True, reduction="none"),
-                                    F.triplet_margin_loss(*args, p=pnorm, swap=True,
-                                                          reduction="none"), ref,
-                                    distance_scale(*args, pnorm, 1e-6, True))
+    check_reductions_and_fallbacks(a, p, n, pnorm, pad=8)
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
