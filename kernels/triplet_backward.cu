@@ -183,6 +183,13 @@ __device__ __forceinline__ void store_grads(const BackwardArgs<T>& args, int64_t
 
 constexpr int kBackwardUnroll = 4;
 
+// Every backward kernel walks the rows from the last one down. The forward (every kernel of it
+// walks up) has just read the inputs' last rows, and the backward usually runs right after it:
+// up to the L2's size of them can then come from L2, not DRAM.
+// torch.compile's backward walks up, from rows evicted long ago. No bit changes: the gradient
+// has no reduction across rows. false: in order (A/B, scripts/variants.py).
+constexpr bool kBackwardFromEnd = true;
+
 template <typename T, NormKind K, int TPR, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
     triplet_backward_kernel(const BackwardArgs<T> args) {
@@ -207,7 +214,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   // Work units: a group of kRowsPerBlock rows, or with split rows (TPR = block) one column slice
   // of one row. Block-uniform bounds.
   const int64_t units = (args.rows + kRowsPerBlock - 1) / kRowsPerBlock * args.splits;
-  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+  for (int64_t step = blockIdx.x; step < units; step += gridDim.x) {
+    const int64_t unit = kBackwardFromEnd ? units - 1 - step : step;
     const int64_t row = unit / args.splits * kRowsPerBlock + team;
     const int64_t first = unit % args.splits * args.split_elems;  // this unit's columns
     const int64_t len = min(args.split_elems, args.dim - first);
@@ -296,10 +304,12 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes, RowChunks>;
+  using Ring = std::conditional_t<
+      kBackwardFromEnd, BulkRing<T, kBackwardStages, kBackwardChunkBytes, RowChunksFromEnd>,
+      BulkRing<T, kBackwardStages, kBackwardChunkBytes, RowChunks>>;
   __shared__ __align__(8) uint64_t full[kBackwardStages];
 
-  Ring ring(args, stage_mem, full, RowChunks<T, Ring::kChunkElems>(args));
+  Ring ring(args, stage_mem, full, typename Ring::Order(args));
   RowGrad<A, K, SWAP> rg;
   // Each row's distances and upstream gradient are loaded a row ahead: used at once, their
   // latency stalls every thread at each row start (fwd+bwd 0.1-1.3% faster measured with the
@@ -351,7 +361,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   extern __shared__ __align__(128) unsigned char stage_mem[];  // the ring's stages, the table
   __shared__ __align__(8) uint64_t full[kBackwardStages];
 
-  Ring ring(args, stage_mem, full, FlatChunks<T, Ring::kChunkElems>(args, chunks_per_block));
+  Ring ring(args, stage_mem, full,
+            FlatChunks<T, Ring::kChunkElems>(args, chunks_per_block, kBackwardFromEnd));
   if (ring.chunks.total == 0) return;  // all threads of the block alike: no barrier is stranded
   // c_ap, c_an, c_pn of each row the block touches, from its first row on.
   RowSums<A>* const table = reinterpret_cast<RowSums<A>*>(stage_mem + Ring::kSmemBytes);
@@ -426,8 +437,9 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
+  const uint32_t block = kBackwardFromEnd ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const uint32_t stride = gridDim.x * kPointwiseThreads;
-  for (uint32_t v = blockIdx.x * kPointwiseThreads + threadIdx.x; v < packs; v += stride) {
+  for (uint32_t v = block * kPointwiseThreads + threadIdx.x; v < packs; v += stride) {
     const int64_t at = int64_t(v) * kVec;
     const Pack<T> pa = load_pack(args.a + at);
     const Pack<T> pp = load_pack(args.p + at);

@@ -381,18 +381,23 @@ struct ChunkAt {
 // Units b, b + grid, ... of block b, each cut into chunks (rows of any stride). A unit is
 // slice u % splits of row u / splits: columns [slice * split_elems, + split_elems), the whole
 // row when splits = 1. A row's last slice may be shorter: its missing chunks are empty.
-template <typename T, int64_t kChunkElems>
-struct RowChunks {
+// kFromEnd: the same units counted from the last one down (RowChunksFromEnd, the backward's:
+// kBackwardFromEnd); a compile-time choice, so the in-order walk costs nothing more.
+template <typename T, int64_t kChunkElems, bool kFromEnd>
+struct RowChunksOf {
   int64_t per_unit, units, total;  // chunks per unit; this block's units; their chunks
-  __device__ __forceinline__ explicit RowChunks(const TripletRows<T>& args) {
+  int64_t last_unit;               // the last unit of all (kFromEnd only)
+  __device__ __forceinline__ explicit RowChunksOf(const TripletRows<T>& args) {
     per_unit = (args.split_elems + kChunkElems - 1) / kChunkElems;
     const int64_t all_units = args.rows * args.splits;
     units = all_units > blockIdx.x ? (all_units - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     total = units * per_unit;
+    last_unit = all_units - 1;
   }
   // The block's i-th unit.
   __device__ __forceinline__ int64_t unit(int64_t i) const {
-    return blockIdx.x + i * int64_t(gridDim.x);
+    const int64_t j = blockIdx.x + i * int64_t(gridDim.x);
+    return kFromEnd ? last_unit - j : j;
   }
   // A unit's row and column range [first, end). No division for unsplit rows.
   struct Span {
@@ -418,14 +423,21 @@ struct RowChunks {
   }
 };
 
+template <typename T, int64_t kChunkElems>
+using RowChunks = RowChunksOf<T, kChunkElems, false>;
+template <typename T, int64_t kChunkElems>
+using RowChunksFromEnd = RowChunksOf<T, kChunkElems, true>;
+
 // Contiguous inputs seen as one flat array of rows * dim elements: block b streams chunks
-// [b * per_block, (b + 1) * per_block) of it, across row boundaries.
+// [b * per_block, (b + 1) * per_block) of it, across row boundaries; reversed: block b takes
+// the range of block grid - 1 - b (kBackwardFromEnd; blocks start roughly in index order).
 template <typename T, int64_t kChunkElems>
 struct FlatChunks {
   int64_t first, total;
-  __device__ __forceinline__ FlatChunks(const TripletRows<T>& args, int64_t per_block) {
+  __device__ __forceinline__ FlatChunks(const TripletRows<T>& args, int64_t per_block,
+                                        bool reversed = false) {
     const int64_t chunks = (args.rows * args.dim + kChunkElems - 1) / kChunkElems;
-    first = int64_t(blockIdx.x) * per_block;
+    first = int64_t(reversed ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * per_block;
     total = max(int64_t(0), min(per_block, chunks - first));
   }
   __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {
@@ -440,11 +452,12 @@ struct BulkRing {
   static constexpr int64_t kChunkElems = kChunkBytes / sizeof(T);
   unsigned char* stages;  // [kStages][3][kChunkBytes]: a, p, n of one chunk per stage
   uint64_t* full;         // [kStages] mbarriers: the stage's copies have landed
-  Chunks<T, kChunkElems> chunks;  // which chunks, in order (chunks.total of them)
+  using Order = Chunks<T, kChunkElems>;
+  Order chunks;  // which chunks, in order (chunks.total of them)
 
   // Every thread of the block constructs it (it holds a barrier); thread 0 starts the copies.
   __device__ __forceinline__ BulkRing(const TripletRows<T>& args, unsigned char* stage_mem,
-                                      uint64_t* barriers, const Chunks<T, kChunkElems>& order)
+                                      uint64_t* barriers, const Order& order)
       : stages(stage_mem), full(barriers), chunks(order) {
     if (threadIdx.x == 0) {
       for (int st = 0; st < kStages; ++st) mbarrier_init(&full[st], 1);

@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="no_rows_ring rows_ring_min4m"
+variants="backward_in_order no_rows_ring rows_ring_min4m"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -24,15 +24,27 @@ if [ "${1:-test}" = test ]; then
   wait
   exit 0
 fi
-# Session n merged the forward's short-rows ring (1 / 4 KiB contiguous rows from 16 MiB per
-# input): (262144, 256) fp32 0.1943 vs the team kernel's 0.2016 ms, (65536, 1024) fp32 0.1909 vs
-# 0.1985. Its threshold is not yet timed: at 16 MiB (16384x256, 4096x1024 fp32) ring vs team
-# (no_rows_ring), and from 4 MiB (rows_ring_min4m at 8 MiB: 8192x256, 2048x1024 fp32).
 # Each variants.py run times torch.compile too (~25 s per contender); forward unless --backward.
 ab() {  # shape dtype variant,variant... [--backward]
   timeout 150 python3 scripts/variants.py --shape "$1" --dtype "$2" ${4:-} $v "base,$3" \
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
+if [ "$1" = ab ]; then
+  # Branch reverse-backward (session n, not yet run on a GPU): every backward kernel walks the
+  # rows from the last one down, so the rows the forward read last can come from L2. Against
+  # the in-order backward (backward_in_order), fwd+bwd: the row ring (32768, 8192), the flat
+  # kernel at (262144, 256), (65536, 1024) and split rows (16, 4194304); ab2 adds the pointwise
+  # kernel at (4096, 512), whose inputs fit in L2 whole either way.
+  ab 32768x8192 fp32 backward_in_order --backward
+  ab 262144x256 fp32 backward_in_order --backward
+  ab 65536x1024 bf16 backward_in_order --backward
+  ab 16x4194304 fp32 backward_in_order --backward
+  exit 0
+fi
+# Session n merged the forward's short-rows ring (1 / 4 KiB contiguous rows from 16 MiB per
+# input). Its threshold is not yet timed: at 16 MiB (16384x256, 4096x1024 fp32) ring vs team
+# (no_rows_ring), and from 4 MiB (rows_ring_min4m at 8 MiB: 8192x256, 2048x1024 fp32).
+ab 4096x512 fp32 backward_in_order --backward
 ab 16384x256 fp32 no_rows_ring
 ab 4096x1024 fp32 no_rows_ring
 ab 8192x256 fp32 rows_ring_min4m

@@ -118,6 +118,10 @@ VARIANTS = {
     # 256) fp32 0.5885 vs 0.5904 / 0.5908; (65536, 1024) bf16 0.3117 vs 0.3088 / 0.3081. Mixed:
     # not merged.
     "bwd_pointwise_1g": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30"))],
+    # The backward walks the rows in order, not from the last one down (kBackwardFromEnd, branch
+    # reverse-backward: the rows the forward read last may still be in L2).
+    "backward_in_order": [("constexpr bool kBackwardFromEnd = true;",
+                           "constexpr bool kBackwardFromEnd = false;")],
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
