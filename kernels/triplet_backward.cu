@@ -430,6 +430,12 @@ constexpr int kPointwiseThreads = 128;
 // fp32, even with the flat kernel at (4096, 1024) fp32 (0.0538 vs 0.0542).
 constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;  // per input; 0: never (A/B)
 
+// Packs of each input per thread, block-strided (each load instruction of a warp reads 512
+// contiguous bytes). Triton's pointwise backward gives a thread 8 elements: 2 fp32 packs, 1
+// bf16 pack; ncu at (4096, 512) had our warps waiting longer on memory than Triton's (session
+// i). A thread issues the input loads of all its packs before it uses any.
+constexpr int kPointwisePacks = 1;
+
 template <typename T, NormKind K, bool SWAP>
 __global__ void __launch_bounds__(kPointwiseThreads)
     triplet_backward_pointwise_kernel(const BackwardArgs<T> args, uint32_t packs,
@@ -437,18 +443,30 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
+  constexpr int kP = kPointwisePacks;
+  // The grid covers every pack once (the host sizes it): no grid-stride loop.
   const uint32_t block = kBackwardFromEnd ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const uint32_t stride = gridDim.x * kPointwiseThreads;
-  for (uint32_t v = block * kPointwiseThreads + threadIdx.x; v < packs; v += stride) {
-    const int64_t at = int64_t(v) * kVec;
-    const Pack<T> pa = load_pack(args.a + at);
-    const Pack<T> pp = load_pack(args.p + at);
-    const Pack<T> pn = load_pack(args.n + at);
+  const uint32_t first = block * uint32_t(kPointwiseThreads * kP) + threadIdx.x;
+  Pack<T> pa[kP], pp[kP], pn[kP];
+#pragma unroll
+  for (int j = 0; j < kP; ++j) {
+    const uint32_t v = first + uint32_t(j * kPointwiseThreads);
+    if (v < packs) {
+      const int64_t at = int64_t(v) * kVec;
+      pa[j] = load_pack(args.a + at);
+      pp[j] = load_pack(args.p + at);
+      pn[j] = load_pack(args.n + at);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kP; ++j) {
+    const uint32_t v = first + uint32_t(j * kPointwiseThreads);
+    if (v >= packs) break;
     RowGrad<A, K, SWAP> rg = row_grad<K, SWAP>(args, int64_t(v / packs_per_row));
     rg.scale(RowSums<A>{A(1), A(1), A(1)});
     Pack<T> oa, op, on;
-    rg(pa, pp, pn, oa, op, on);
-    store_grads(args, at, oa, op, on);
+    rg(pa[j], pp[j], pn[j], oa, op, on);
+    store_grads(args, int64_t(v) * kVec, oa, op, on);
   }
 }
 
@@ -554,10 +572,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
         if (pointwise) {
           constexpr int64_t kVec = kVecBytes / static_cast<int64_t>(sizeof(scalar_t));
           const int64_t packs = rows * dim / kVec;
+          constexpr int64_t kPerBlock = kPointwiseThreads * kPointwisePacks;
           triplet_backward_pointwise_kernel<scalar_t, K, SWAP>
-              <<<(packs + kPointwiseThreads - 1) / kPointwiseThreads, kPointwiseThreads, 0,
-                 stream>>>(args, static_cast<uint32_t>(packs),
-                           static_cast<uint32_t>(dim / kVec));
+              <<<(packs + kPerBlock - 1) / kPerBlock, kPointwiseThreads, 0, stream>>>(
+                  args, static_cast<uint32_t>(packs), static_cast<uint32_t>(dim / kVec));
           return;
         }
         if (flat) {

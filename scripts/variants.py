@@ -41,6 +41,7 @@ TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
 FEW_ROWS = "constexpr int64_t kFlatFewRows = kFillBlocks;"
 FLAT_PER_BLOCK = "constexpr int64_t kFlatMaxChunksPerBlock = 8;"
 POINTWISE = "constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;"
+PW_PACKS = "constexpr int kPointwisePacks = 1;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
@@ -122,6 +123,13 @@ VARIANTS = {
     # reverse-backward: the rows the forward read last may still be in L2).
     "backward_in_order": [("constexpr bool kBackwardFromEnd = true;",
                            "constexpr bool kBackwardFromEnd = false;")],
+    # Packs per thread in the pointwise backward (branch pointwise-packs): Triton's gives a thread
+    # 8 elements (2 fp32 packs). Time at 4096x512 fp32 / bf16 (pointwise already) and, with the
+    # 1 GiB threshold, at 262144x256 fp32 and 32768x8192 fp32 (--backward).
+    "bwd_pointwise_x2": [(PW_PACKS, PW_PACKS.replace("1;", "2;"))],
+    "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("1;", "4;"))],
+    "bwd_pointwise_1g_x2": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
+                            (PW_PACKS, PW_PACKS.replace("1;", "2;"))],
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
