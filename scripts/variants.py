@@ -41,7 +41,7 @@ TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
 FEW_ROWS = "constexpr int64_t kFlatFewRows = kFillBlocks;"
 FLAT_PER_BLOCK = "constexpr int64_t kFlatMaxChunksPerBlock = 8;"
 POINTWISE = "constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;"
-PW_PACKS = "constexpr int kPointwisePacks = 1;"
+PW_PACKS = "constexpr int kPointwisePacks = 2;"
 BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
 BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
@@ -117,19 +117,19 @@ VARIANTS = {
     # backward is pointwise; ours takes the flat ring above 16 MiB per input. Pointwise up to
     # 1 GiB per input (its 32-bit pack index holds 64 GiB). Session n, fwd+bwd ms: (262144,
     # 256) fp32 0.5885 vs 0.5904 / 0.5908; (65536, 1024) bf16 0.3117 vs 0.3088 / 0.3081. Mixed:
-    # not merged.
+    # not merged. Session o, with 2 packs per thread, against the reversed backward: (32768,
+    # 8192) fp32 2.2928 vs 2.2725 / 2.2722, (262144, 256) fp32 0.5902 vs 0.5878 / 0.5881, (65536,
+    # 1024) bf16 0.3105 vs 0.3084 / 0.3072: slower.
     "bwd_pointwise_1g": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30"))],
-    # The backward walks the rows in order, not from the last one down (kBackwardFromEnd, branch
-    # reverse-backward: the rows the forward read last may still be in L2).
+    # The backward walks the rows in order, not from the last one down (kBackwardFromEnd: the
+    # rows the forward read last may still be in L2). Session o: 0.07-1.5% slower (numbers at
+    # kBackwardFromEnd).
     "backward_in_order": [("constexpr bool kBackwardFromEnd = true;",
                            "constexpr bool kBackwardFromEnd = false;")],
-    # Packs per thread in the pointwise backward (branch pointwise-packs): Triton's gives a thread
-    # 8 elements (2 fp32 packs). Time at 4096x512 fp32 / bf16 (pointwise already) and, with the
-    # 1 GiB threshold, at 262144x256 fp32 and 32768x8192 fp32 (--backward).
-    "bwd_pointwise_x2": [(PW_PACKS, PW_PACKS.replace("1;", "2;"))],
-    "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("1;", "4;"))],
-    "bwd_pointwise_1g_x2": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
-                            (PW_PACKS, PW_PACKS.replace("1;", "2;"))],
+    # Packs per thread in the pointwise backward (kPointwisePacks; Triton's gives a thread 8
+    # elements, 2 fp32 packs). Session o: 2 faster than 1 at (4096, 512) (numbers there).
+    "bwd_pointwise_x1": [(PW_PACKS, PW_PACKS.replace("2;", "1;"))],
+    "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("2;", "4;"))],
     "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
     "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
     "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
