@@ -4,13 +4,13 @@
 #   bash scripts/gpu_ab.sh test   # build, the CUDA kernel tests, compute-sanitizer (variant
 #                                 # builds compile in the background meanwhile)
 #   bash scripts/gpu_ab.sh ab     # A/B timings of scripts/variants.py variants (lists below)
-#   bash scripts/gpu_ab.sh ab2    # the rest of the list (each part < 600 s)
+#   bash scripts/gpu_ab.sh ab2    # the rest of the list, when there is one (each part < 600 s)
 # Each step has its own time limit so a slow one cannot starve the rest; logs go to $OUT (or
 # ./gpu_logs).
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="bwd_pointwise_x1 bwd_pointwise_x4 no_rows_ring rows_ring_min4m"
+variants="bwd_pointwise_x1 bwd_pointwise_x4"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -30,19 +30,12 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Session o merged 2 pointwise-backward packs per thread (timed at (4096, 512) only): the
-  # other shapes the pointwise kernel takes, against 1 and 4 packs.
+  # Session o merged 2 pointwise-backward packs per thread and timed 1 / 2 / 4 at (1024, 128)
+  # bf16, (128, 4096) bf16 and (4096, 512) fp32 (results/h200_variants_2026-11-30o.txt); the
+  # rest of the shapes the pointwise kernel takes. (The short-rows ring's threshold, timed in
+  # session o: branch ring-threshold.)
   ab 1024x128 fp32 bwd_pointwise_x1,bwd_pointwise_x4 --backward
-  ab 1024x128 bf16 bwd_pointwise_x1,bwd_pointwise_x4 --backward
   ab 128x4096 fp32 bwd_pointwise_x1,bwd_pointwise_x4 --backward
-  ab 128x4096 bf16 bwd_pointwise_x1,bwd_pointwise_x4 --backward
-  ab 4096x512 bf16 bwd_pointwise_x4 --backward
+  ab 4096x512 bf16 bwd_pointwise_x1,bwd_pointwise_x4 --backward
   exit 0
 fi
-# The short-rows ring's threshold, not yet timed: at 16 MiB per input (16384x256, 4096x1024
-# fp32) ring vs team (no_rows_ring), and from 4 MiB (rows_ring_min4m at 8 MiB: 8192x256,
-# 2048x1024 fp32).
-ab 16384x256 fp32 no_rows_ring
-ab 4096x1024 fp32 no_rows_ring
-ab 8192x256 fp32 rows_ring_min4m
-ab 2048x1024 fp32 rows_ring_min4m
