@@ -366,10 +366,11 @@ constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be wo
 // ring vs the team kernel (H200, session n, forward ms): (262144, 256) fp32 0.1943 vs 0.2016,
 // (65536, 1024) fp32 0.1909 vs 0.1985, (131072, 512) bf16 0.1082 vs 0.1097 (torch.compile
 // 0.1968 / 0.1936 / 0.1094). But session o: slower at 16 and 64 MiB per input, (16384, 256)
-// fp32 0.0236 vs 0.0211, (65536, 256) fp32 0.0601 vs 0.0587 (branch ring-threshold: 128 MiB).
+// fp32 0.0236 vs 0.0211, (65536, 256) fp32 0.0601 vs 0.0587, (16384, 1024) fp32 0.0603 vs
+// 0.0586: the ring starts from 128 MiB per input (won at 128 MiB bf16, lost at 64 MiB fp32).
 constexpr bool kRowsRing = true;  // false: the team kernel (A/B)
 constexpr int kRowsRingChunkBytes = 8192;
-constexpr int64_t kRowsRingMinBytes = int64_t(16) << 20;
+constexpr int64_t kRowsRingMinBytes = int64_t(128) << 20;
 
 // Where chunk c of a block's sequence lies: element offsets in a, p, n and in the contiguous
 // (rows, dim) gradients / flat view, and its length.

@@ -357,7 +357,8 @@ struct RowsRingConfig {
 // sm_90, rows not split, contiguous and 16-byte aligned (a, p, n read as flat arrays), of
 // exactly 1 or 4 KiB (kRowsRingChunkBytes / kBlockThreads = 32 bytes per thread per chunk), at
 // least kRowsRingMinBytes per input. Chunks per block: up to 8 (64 KiB per input, as one
-// (32768, 8192) fp32 row), fewer where that would leave fewer than kFillBlocks blocks.
+// (32768, 8192) fp32 row), fewer where that would leave fewer than kFillBlocks blocks (never
+// from 64 MiB per input on).
 inline RowsRingConfig choose_rows_ring(const RowConfig& cfg, int64_t rows, int64_t dim,
                                        int64_t elem_size, bool flat_rows, const at::Tensor& on) {
   RowsRingConfig ring;

@@ -4,13 +4,13 @@
 #   bash scripts/gpu_ab.sh test   # build, the CUDA kernel tests, compute-sanitizer (variant
 #                                 # builds compile in the background meanwhile)
 #   bash scripts/gpu_ab.sh ab     # A/B timings of scripts/variants.py variants (lists below)
-#   bash scripts/gpu_ab.sh ab2    # the rest of the list, when there is one (each part < 600 s)
+#   bash scripts/gpu_ab.sh ab2    # the rest of the list (each part < 600 s)
 # Each step has its own time limit so a slow one cannot starve the rest; logs go to $OUT (or
 # ./gpu_logs).
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="bwd_pointwise_x1 bwd_pointwise_x4"
+variants="no_rows_ring rows_ring_min16m rows_ring_per16 rows_ring_one_wave"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -30,12 +30,18 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Session o merged 2 pointwise-backward packs per thread and timed 1 / 2 / 4 at (1024, 128)
-  # bf16, (128, 4096) bf16 and (4096, 512) fp32 (results/h200_variants_2026-11-30o.txt); the
-  # rest of the shapes the pointwise kernel takes. (The short-rows ring's threshold, timed in
-  # session o: branch ring-threshold.)
-  ab 1024x128 fp32 bwd_pointwise_x1,bwd_pointwise_x4 --backward
-  ab 128x4096 fp32 bwd_pointwise_x1,bwd_pointwise_x4 --backward
-  ab 4096x512 bf16 bwd_pointwise_x1,bwd_pointwise_x4 --backward
+  # Branch ring-threshold (session o, not yet run on a GPU): the forward's short-rows ring from
+  # 128 MiB per input, not 16 (at 16 and 64 MiB it ran slower than the team kernel). Against
+  # the team kernel (no_rows_ring), main's 16 MiB (rows_ring_min16m) and, from 16 MiB, longer
+  # ring blocks (rows_ring_per16: 16 chunks each; rows_ring_one_wave: chunks / 264 each).
+  ab 65536x256 fp32 no_rows_ring,rows_ring_min16m,rows_ring_per16,rows_ring_one_wave
+  ab 16384x1024 fp32 no_rows_ring,rows_ring_min16m,rows_ring_per16,rows_ring_one_wave
+  ab 131072x256 fp32 no_rows_ring,rows_ring_one_wave
+  ab 262144x256 fp32 no_rows_ring,rows_ring_one_wave
   exit 0
 fi
+# ab2: 16 MiB per input, and 128 MiB in bf16 / 4 KiB rows.
+ab 16384x256 fp32 no_rows_ring,rows_ring_min16m,rows_ring_one_wave
+ab 4096x1024 fp32 no_rows_ring,rows_ring_min16m,rows_ring_one_wave
+ab 131072x512 bf16 no_rows_ring,rows_ring_one_wave
+ab 32768x1024 fp32 no_rows_ring,rows_ring_one_wave

@@ -6,8 +6,7 @@ reduction; backward for the same (aligned contiguous rows of up to 16 MiB per in
 pointwise backward for p = 2 / 1: (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)); then,
 p = 2 / 1 only, inputs over 16 MiB: the flat bulk-copy backward ((4200, 1024): short rows;
 (2, 2100000): few long rows) and the row ring ((1500, 3000): >= 1024 rows of >= 8 KiB);
-the forward's short-rows ring (>= 16 MiB per input of 1 KiB or 4 KiB rows; (4200, 1024) above
-also takes it); last, bf16 through the bulk forward's 2-byte rings: whole rows (4 x 4 KiB), a row
+the forward's short-rows ring (>= 128 MiB per input of 1 KiB or 4 KiB rows); last, bf16 through the bulk forward's 2-byte rings: whole rows (4 x 4 KiB), a row
 whose last chunk is 16 bytes, split rows (4 x 8 KiB; the last slice a part chunk).
 """
 import math
@@ -35,7 +34,7 @@ for shape in [(4200, 1024), (2, 2100000), (1500, 3000)]:  # > 16 MiB per input (
     xs = [torch.rand(shape, device="cuda").requires_grad_() for _ in range(3)]
     for pnorm in (2.0, 1.0):
         ft.triplet_margin_loss(*xs, p=pnorm, swap=True).backward()
-for shape in [(16389, 256), (4201, 1024)]:  # the forward's short-rows ring; last chunk part
+for shape in [(131075, 256), (32771, 1024)]:  # the forward's short-rows ring; last chunk part
     xs = [torch.rand(shape, device="cuda") for _ in range(3)]
     for reduction in ("none", "mean"):
         ft.triplet_margin_loss(*xs, swap=True, reduction=reduction)

@@ -48,7 +48,10 @@ CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
 L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
 SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
-ROWS_RING_MIN = "constexpr int64_t kRowsRingMinBytes = int64_t(16) << 20;"
+ROWS_RING_MIN = "constexpr int64_t kRowsRingMinBytes = int64_t(128) << 20;"
+ROWS_RING_16M = (ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(128) << 20", "int64_t(16) << 20"))
+ROWS_RING_PER_BLOCK = ("ring.per_block = std::max<int64_t>(1, std::min<int64_t>(8, chunks / "
+                       "kFillBlocks));")
 SPLIT_BLOCKS = "constexpr int64_t kSplitBlocks = 512;"
 
 VARIANTS = {
@@ -88,13 +91,24 @@ VARIANTS = {
     "split_slice2k": [(SLICE, SLICE.replace("32 * 1024", "2 * 1024"))],
     "split_slice64k": [(SLICE, SLICE.replace("32 * 1024", "64 * 1024"))],
     # The forward's short-rows ring (1 or 4 KiB contiguous rows, kRowsRing): off (the team
-    # kernel), or from 4 / 64 MiB per input instead of 16 (time at 262144x256, 65536x1024 fp32,
-    # and 16384x256 / 4096x1024 for the threshold). Session n, ring vs no_rows_ring (forward
-    # ms): (262144, 256) fp32 0.1943 / 0.1942 vs 0.2016; (65536, 1024) fp32 0.1909 / 0.1910 vs
-    # 0.1985; (131072, 512) bf16 0.1082 / 0.1081 vs 0.1097. Merged. Thresholds not yet timed.
+    # kernel), or from other sizes per input. Session n, ring vs no_rows_ring (forward ms):
+    # (262144, 256) fp32 0.1943 / 0.1942 vs 0.2016; (65536, 1024) fp32 0.1909 / 0.1910 vs
+    # 0.1985; (131072, 512) bf16 0.1082 / 0.1081 vs 0.1097. Merged from 16 MiB. Session o, the
+    # ring slower below 128 MiB: (16384, 256) fp32 0.0236 / 0.0234 vs 0.0211, (4096, 1024) fp32
+    # 0.0237 vs 0.0221, (65536, 256) fp32 0.0601 / 0.0600 vs 0.0587, (16384, 1024) fp32 0.0603 /
+    # 0.0601 vs 0.0586; from 4 MiB at (8192, 256) fp32 0.0165 vs 0.0146 (branch ring-threshold:
+    # from 128 MiB). rows_ring_min16m: main's 16 MiB, to time these shapes with the ring.
     "no_rows_ring": [("constexpr bool kRowsRing = true;", "constexpr bool kRowsRing = false;")],
-    "rows_ring_min4m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(16) << 20", "int64_t(4) << 20"))],
-    "rows_ring_min64m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(16) << 20", "int64_t(64) << 20"))],
+    "rows_ring_min16m": [ROWS_RING_16M],
+    "rows_ring_min64m": [(ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(128) << 20", "int64_t(64) << 20"))],
+    # Why the ring loses below 128 MiB is not known. At 64 MiB its 1024 blocks of 8 chunks run in
+    # about 4 waves of 264 resident blocks (2 per SM), and each block fills its ring once. With
+    # the ring from 16 MiB (time at 65536x256 / 16384x1024 fp32 against no_rows_ring), try
+    # longer blocks: 16 chunks each (512 blocks at 64 MiB), or one wave (chunks / 264 each).
+    "rows_ring_per16": [ROWS_RING_16M, (ROWS_RING_PER_BLOCK, ROWS_RING_PER_BLOCK.replace(
+        "min<int64_t>(8, chunks / kFillBlocks)", "min<int64_t>(16, chunks / 512)"))],
+    "rows_ring_one_wave": [ROWS_RING_16M, (ROWS_RING_PER_BLOCK,
+                                           "ring.per_block = (chunks + 263) / 264;")],
     "split_ldg": [("          if (bulk) {\n            launch_forward_bulk",
                    "          if (false) {\n            launch_forward_bulk")],
     # backward (time with --backward): the bulk-copy ring's shape, stores, register loads

@@ -110,13 +110,12 @@ def test_split_rows(shape, dtype, pnorm):
     check_reductions_and_fallbacks(a, p, n, pnorm, pad=4)  # the fallbacks are split too
 
 
-# Many contiguous rows of exactly 1 KiB or 4 KiB, >= 16 MiB per input: on sm_90 the short-rows
-# ring (8 KiB chunks of 8 or 2 whole rows; the last chunk here holds fewer), 1-8 chunks per
-# block ((65539, 256) fp32: 8). Broadcast and row-stride inputs of the same shapes keep the team
-# kernel.
-RING_SHAPES = [((16389, 256), torch.float32), ((4099, 1024), torch.float32),
-               ((65539, 256), torch.float32), ((16387, 512), torch.bfloat16),
-               ((4097, 2048), torch.bfloat16), ((16385, 128), torch.float64)]
+# Many contiguous rows of exactly 1 KiB or 4 KiB, >= 128 MiB per input: on sm_90 the short-rows
+# ring (8 KiB chunks of 8 or 2 whole rows; the last chunk here holds fewer, 8 chunks per block).
+# Broadcast and row-stride inputs of the same shapes keep the team kernel.
+RING_SHAPES = [((131077, 256), torch.float32), ((32771, 1024), torch.float32),
+               ((131075, 512), torch.float16), ((131073, 512), torch.bfloat16),
+               ((32769, 2048), torch.bfloat16), ((131073, 128), torch.float64)]
 
 
 @pytest.mark.parametrize("shape,dtype", RING_SHAPES)
