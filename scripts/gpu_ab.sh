@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="no_rows_ring rows_ring_min16m rows_ring_per16 rows_ring_one_wave"
+variants="cs_stores no_rows_ring rows_ring_min16m rows_ring_per16 rows_ring_one_wave"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -30,18 +30,22 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Branch ring-threshold (session o, not yet run on a GPU): the forward's short-rows ring from
-  # 128 MiB per input, not 16 (at 16 and 64 MiB it ran slower than the team kernel). Against
-  # the team kernel (no_rows_ring), main's 16 MiB (rows_ring_min16m) and, from 16 MiB, longer
-  # ring blocks (rows_ring_per16: 16 chunks each; rows_ring_one_wave: chunks / 264 each).
+  # Branches plain-stores and ring-threshold (session o, first run on a GPU in session p).
+  # Plain-stores: gradients stored with plain stores except fp64 (evict-first before; 0.35%
+  # faster at (32768, 8192) fp32 with the 4 x 8 KiB ring, results/h200_variants_backward_2026-11-29.txt);
+  # fwd+bwd against cs_stores (main's stores).
+  ab 32768x8192 fp32 cs_stores --backward
+  ab 262144x256 fp32 cs_stores --backward
+  # Ring-threshold: the forward's short-rows ring from 128 MiB per input, not 16 (at 16 and
+  # 64 MiB it ran slower than the team kernel). Against the team kernel (no_rows_ring), main's
+  # 16 MiB (rows_ring_min16m) and, from 16 MiB, longer ring blocks (rows_ring_per16: 16 chunks
+  # each; rows_ring_one_wave: chunks / 264 each).
   ab 65536x256 fp32 no_rows_ring,rows_ring_min16m,rows_ring_per16,rows_ring_one_wave
   ab 16384x1024 fp32 no_rows_ring,rows_ring_min16m,rows_ring_per16,rows_ring_one_wave
-  ab 131072x256 fp32 no_rows_ring,rows_ring_one_wave
-  ab 262144x256 fp32 no_rows_ring,rows_ring_one_wave
   exit 0
 fi
-# ab2: 16 MiB per input, and 128 MiB in bf16 / 4 KiB rows.
-ab 16384x256 fp32 no_rows_ring,rows_ring_min16m,rows_ring_one_wave
-ab 4096x1024 fp32 no_rows_ring,rows_ring_min16m,rows_ring_one_wave
-ab 131072x512 bf16 no_rows_ring,rows_ring_one_wave
-ab 32768x1024 fp32 no_rows_ring,rows_ring_one_wave
+# ab2: the rest of both lists.
+ab 65536x1024 bf16 cs_stores --backward
+ab 4096x512 bf16 cs_stores --backward
+ab 131072x256 fp32 no_rows_ring,rows_ring_one_wave
+ab 262144x256 fp32 no_rows_ring,rows_ring_one_wave

@@ -118,6 +118,9 @@ VARIANTS = {
     "bwd_ring_2k_x8": [(BWD_CHUNK, BWD_CHUNK.replace("4096", "2048")),
                        (BWD_STAGES, BWD_STAGES.replace("4", "8"))],  # 48 KiB: 4 per SM
     "bwd_ring_4k_x3": [(BWD_STAGES, BWD_STAGES.replace("4", "3"))],  # 36 KiB: 6 per SM
+    # Evict-first gradient stores for every type (main before branch plain-stores: plain stores
+    # except fp64).
+    "cs_stores": [("constexpr bool kPlainStores = true;", "constexpr bool kPlainStores = false;")],
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
     "team_by_length": [(TEAM_FILL, TEAM_FILL.replace("kFillBlocks;", "0;"))],  # before
