@@ -138,6 +138,16 @@ VARIANTS = {
     # 8192) fp32 2.2928 vs 2.2725 / 2.2722, (262144, 256) fp32 0.5902 vs 0.5878 / 0.5881, (65536,
     # 1024) bf16 0.3105 vs 0.3084 / 0.3072: slower.
     "bwd_pointwise_1g": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30"))],
+    # Session p: Inductor's backward at (32768, 8192) fp32 is one pointwise kernel (1024 elements
+    # per 128-thread program, in order, plain loads and stores; results/h200_inductor_32768x8192_
+    # fp32_2026-11-30p.txt), 1.510 ms a call against our bulk backward's 1.554. The pointwise
+    # kernel up to 1 GiB per input, now with plain stores, in order, or with plain loads (the
+    # loads' edit reaches the forward too).
+    "bwd_pointwise_1g_in_order": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
+                                  ("constexpr bool kBackwardFromEnd = true;",
+                                   "constexpr bool kBackwardFromEnd = false;")],
+    "bwd_pointwise_1g_plain_loads": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
+                                     (LOAD, "ld.global.v4.u32")],
     # The backward walks the rows in order, not from the last one down (kBackwardFromEnd: the
     # rows the forward read last may still be in L2). Session o: 0.07% slower at (32768, 8192)
     # fp32, 0.4-0.7% at (262144, 256) fp32 / (65536, 1024) bf16 (numbers at kBackwardFromEnd).
