@@ -146,6 +146,7 @@ VARIANTS = {
     "bwd_pointwise_1g_in_order": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
                                   ("constexpr bool kBackwardFromEnd = true;",
                                    "constexpr bool kBackwardFromEnd = false;")],
+    "plain_loads": [(LOAD, "ld.global.v4.u32")],  # every kernel's streaming loads
     "bwd_pointwise_1g_plain_loads": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
                                      (LOAD, "ld.global.v4.u32")],
     # The backward walks the rows in order, not from the last one down (kBackwardFromEnd: the
