@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="cs_stores no_rows_ring rows_ring_min16m rows_ring_per16 rows_ring_one_wave"
+variants="bwd_pointwise_1g_plain_loads"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -30,22 +30,20 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Branches plain-stores and ring-threshold (session o, first run on a GPU in session p).
-  # Plain-stores: gradients stored with plain stores except fp64 (evict-first before; 0.35%
-  # faster at (32768, 8192) fp32 with the 4 x 8 KiB ring, results/h200_variants_backward_2026-11-29.txt);
-  # fwd+bwd against cs_stores (main's stores).
-  ab 32768x8192 fp32 cs_stores --backward
-  ab 262144x256 fp32 cs_stores --backward
-  # Ring-threshold: the forward's short-rows ring from 128 MiB per input, not 16 (at 16 and
-  # 64 MiB it ran slower than the team kernel). Against the team kernel (no_rows_ring), main's
-  # 16 MiB (rows_ring_min16m) and, from 16 MiB, longer ring blocks (rows_ring_per16: 16 chunks
-  # each; rows_ring_one_wave: chunks / 264 each).
-  ab 65536x256 fp32 no_rows_ring,rows_ring_min16m,rows_ring_per16,rows_ring_one_wave
-  ab 16384x1024 fp32 no_rows_ring,rows_ring_min16m,rows_ring_per16,rows_ring_one_wave
+  # Session p timed the pointwise backward up to 1 GiB per input with plain loads
+  # (bwd_pointwise_1g_plain_loads; the loads' edit reaches every kernel, which changed nothing
+  # at (32768, 8192) fp32) at (32768, 8192) and (262144, 256) fp32: faster than the ring
+  # backward and torch.compile there (results/h200_variants_2026-11-30p.txt). The sweep's other
+  # shapes over 16 MiB per input. (Plain loads in the pointwise kernel alone: branch
+  # pointwise-plain-loads.)
+  ab 65536x1024 bf16 bwd_pointwise_1g_plain_loads --backward
+  ab 16x4194304 fp32 bwd_pointwise_1g_plain_loads --backward
+  ab 262144x256 bf16 bwd_pointwise_1g_plain_loads --backward
+  ab 32768x8192 bf16 bwd_pointwise_1g_plain_loads --backward
   exit 0
 fi
-# ab2: the rest of both lists.
-ab 65536x1024 bf16 cs_stores --backward
-ab 4096x512 bf16 cs_stores --backward
-ab 131072x256 fp32 no_rows_ring,rows_ring_one_wave
-ab 262144x256 fp32 no_rows_ring,rows_ring_one_wave
+# ab2
+ab 65536x1024 fp32 bwd_pointwise_1g_plain_loads --backward
+ab 4x16777216 fp32 bwd_pointwise_1g_plain_loads --backward
+ab 16x4194304 bf16 bwd_pointwise_1g_plain_loads --backward
+ab 4x16777216 bf16 bwd_pointwise_1g_plain_loads --backward
