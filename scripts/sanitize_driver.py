@@ -6,8 +6,9 @@ reduction; backward for the same (aligned contiguous rows of up to 16 MiB per in
 pointwise backward for p = 2 / 1: (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)); then,
 p = 2 / 1 only, inputs over 16 MiB: the flat bulk-copy backward ((4200, 1024): short rows;
 (2, 2100000): few long rows) and the row ring ((1500, 3000): >= 1024 rows of >= 8 KiB);
-the forward's short-rows ring (>= 128 MiB per input of 1 KiB or 4 KiB rows); last, bf16 through the bulk forward's 2-byte rings: whole rows (4 x 4 KiB), a row
-whose last chunk is 16 bytes, split rows (4 x 8 KiB; the last slice a part chunk).
+the forward's short-rows ring (>= 128 MiB per input of 1 KiB or 4 KiB rows); last, bf16
+through the bulk forward's 2-byte rings: whole rows (4 x 4 KiB), a row whose last chunk is 16
+bytes, split rows (4 x 8 KiB; the last slice a part chunk).
 """
 import math
 import os
