@@ -440,6 +440,12 @@ constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;  // per input; 0: neve
 // ms, 2 packs vs 1: (4096, 512) bf16 0.0208 vs 0.0221 / 0.0215 (compile 0.0206), fp32 0.0305
 // vs 0.0308 (compile 0.0292).
 constexpr int kPointwisePacks = 2;
+// Plain loads (load_plain16), not the read-only no-allocate path the other kernels take.
+// Session p, fwd+bwd ms with this kernel up to 1 GiB per input: (32768, 8192) fp32 2.2497 /
+// 2.2499 against 2.2980 with no-allocate loads (the ring backward 2.2731-2.2737, torch.compile
+// 2.2557); (262144, 256) fp32 0.5795 against 0.5920 (flat ring 0.5881-0.5886, compile 0.5787).
+// Plain loads in the ring kernels and the forward changed nothing there (2.2734).
+constexpr bool kPointwisePlainLoads = true;  // false: no-allocate loads (A/B)
 
 template <typename T, NormKind K, bool SWAP>
 __global__ void __launch_bounds__(kPointwiseThreads)
@@ -458,9 +464,9 @@ __global__ void __launch_bounds__(kPointwiseThreads)
     const uint32_t v = first + uint32_t(j * kPointwiseThreads);
     if (v < packs) {
       const int64_t at = int64_t(v) * kVec;
-      pa[j] = load_pack(args.a + at);
-      pp[j] = load_pack(args.p + at);
-      pn[j] = load_pack(args.n + at);
+      pa[j] = load_pack<T, kPointwisePlainLoads>(args.a + at);
+      pp[j] = load_pack<T, kPointwisePlainLoads>(args.p + at);
+      pn[j] = load_pack<T, kPointwisePlainLoads>(args.n + at);
     }
   }
 #pragma unroll

@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="bwd_pointwise_1g_plain_loads"
+variants="pointwise_nc_loads bwd_pointwise_1g"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -30,20 +30,22 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Session p timed the pointwise backward up to 1 GiB per input with plain loads
-  # (bwd_pointwise_1g_plain_loads; the loads' edit reaches every kernel, which changed nothing
-  # at (32768, 8192) fp32) at (32768, 8192) and (262144, 256) fp32: faster than the ring
-  # backward and torch.compile there (results/h200_variants_2026-11-30p.txt). The sweep's other
-  # shapes over 16 MiB per input. (Plain loads in the pointwise kernel alone: branch
-  # pointwise-plain-loads.)
-  ab 65536x1024 bf16 bwd_pointwise_1g_plain_loads --backward
-  ab 16x4194304 fp32 bwd_pointwise_1g_plain_loads --backward
-  ab 262144x256 bf16 bwd_pointwise_1g_plain_loads --backward
-  ab 32768x8192 bf16 bwd_pointwise_1g_plain_loads --backward
+  # Branch pointwise-plain-loads (session p, not yet run on a GPU): the pointwise backward with
+  # plain loads (session p: up to 1 GiB per input it beat the ring backward and torch.compile at
+  # (32768, 8192) fp32, 2.2497 ms, and the flat ring at (262144, 256) fp32; plain loads in the
+  # other kernels changed nothing). Where it runs on this branch (<= 16 MiB per input) against
+  # the no-allocate loads before (pointwise_nc_loads): the small shapes compile still wins.
+  ab 4096x512 fp32 pointwise_nc_loads --backward
+  ab 4096x512 bf16 pointwise_nc_loads --backward
+  ab 128x4096 bf16 pointwise_nc_loads --backward
+  ab 1024x128 bf16 pointwise_nc_loads --backward
+  ab 65536x1024 bf16 bwd_pointwise_1g --backward
+  ab 16x4194304 fp32 bwd_pointwise_1g --backward
   exit 0
 fi
-# ab2
-ab 65536x1024 fp32 bwd_pointwise_1g_plain_loads --backward
-ab 4x16777216 fp32 bwd_pointwise_1g_plain_loads --backward
-ab 16x4194304 bf16 bwd_pointwise_1g_plain_loads --backward
-ab 4x16777216 bf16 bwd_pointwise_1g_plain_loads --backward
+# ab2: up to 1 GiB per input (bwd_pointwise_1g) at the sweep's other shapes over 16 MiB.
+ab 262144x256 bf16 bwd_pointwise_1g --backward
+ab 32768x8192 bf16 bwd_pointwise_1g --backward
+ab 65536x1024 fp32 bwd_pointwise_1g --backward
+ab 4x16777216 fp32 bwd_pointwise_1g --backward
+ab 16x4194304 bf16 bwd_pointwise_1g --backward

@@ -149,6 +149,10 @@ VARIANTS = {
     "bwd_pointwise_1g_in_order": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
                                   ("constexpr bool kBackwardFromEnd = true;",
                                    "constexpr bool kBackwardFromEnd = false;")],
+    # Branch pointwise-plain-loads: the pointwise backward's loads as before (read-only,
+    # no L1 allocation); there bwd_pointwise_1g has plain loads by itself.
+    "pointwise_nc_loads": [("constexpr bool kPointwisePlainLoads = true;",
+                            "constexpr bool kPointwisePlainLoads = false;")],
     # Every kernel's streaming loads plain. Session p, (32768, 8192) fp32: fwd+bwd 2.2734 vs
     # 2.2733 / 2.2737, forward 0.7145 vs 0.7148 / 0.7149: no change.
     "plain_loads": [(LOAD, "ld.global.v4.u32")],
