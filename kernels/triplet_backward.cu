@@ -345,93 +345,22 @@ __global__ void __launch_bounds__(kBlockThreads)
 #endif
 }
 
-// Contiguous inputs whose rows are 16-byte multiples, p = 2 or 1, sm_90: given the per-row
-// scales the gradient is elementwise, so the three inputs stream through the bulk-copy ring as
-// flat arrays, chunks_per_block chunks per block, across row boundaries: short rows, long rows
-// and too few rows to fill the GPU alike. The scales of every row the block touches are computed
-// into a shared-memory table once, up front, while the first copies land: computed per chunk,
-// each chunk waited on its rows' dists and grad loads (flat_table_rows sizes the table).
-template <typename T, NormKind K, bool SWAP>
-__global__ void __launch_bounds__(kBlockThreads)
-    triplet_backward_flat_kernel(const BackwardArgs<T> args, int64_t chunks_per_block) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // the host launches this only on sm_90+
-#else
-  static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
-  using A = acc_t<T>;
-  constexpr int kVec = Pack<T>::kN;
-  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes, FlatChunks>;
-  extern __shared__ __align__(128) unsigned char stage_mem[];  // the ring's stages, the table
-  __shared__ __align__(8) uint64_t full[kBackwardStages];
-
-  Ring ring(args, stage_mem, full,
-            FlatChunks<T, Ring::kChunkElems>(args, chunks_per_block, kBackwardFromEnd));
-  if (ring.chunks.total == 0) return;  // all threads of the block alike: no barrier is stranded
-  // c_ap, c_an, c_pn of each row the block touches, from its first row on.
-  RowSums<A>* const table = reinterpret_cast<RowSums<A>*>(stage_mem + Ring::kSmemBytes);
-  const int64_t dim = args.dim;
-  constexpr int64_t kStep = Ring::kChunkElems;  // a block's chunks are consecutive
-  // Whole rows within x < dim + kStep elements: 0 or 1 for rows of at least a chunk, else a
-  // 32-bit division (no 64-bit division per pack).
-  auto rows_in = [&](int64_t x) -> int {
-    if (x < dim) return 0;
-    return dim >= kStep ? 1 : static_cast<int>(static_cast<uint32_t>(x) /
-                                               static_cast<uint32_t>(dim));
-  };
-  const ChunkAt first = ring.chunks.at(args, 0);
-  const ChunkAt last = ring.chunks.at(args, ring.chunks.total - 1);
-  const int64_t row0 = first.flat / dim;
-  const int table_rows = static_cast<int>((last.flat + last.elems - 1) / dim - row0 + 1);
-  for (int r = threadIdx.x; r < table_rows; r += kBlockThreads) {
-    RowGrad<A, K, SWAP> g = row_grad<K, SWAP>(args, row0 + r);
-    g.scale(RowSums<A>{A(1), A(1), A(1)});
-    table[r] = RowSums<A>{g.c_ap, g.c_an, g.c_pn};
-  }
-  __syncthreads();
-  // Table row and column where chunk c starts, advanced chunk by chunk.
-  int row = 0;
-  int64_t col = first.flat - row0 * dim;
-
-  RowGrad<A, K, SWAP> rg;  // for p = 2 and 1 the element gradient needs only the scales
-  rg.prm = args.norm;
-  rg.eps = args.eps;
-  rg.d_ap = rg.d_an = rg.d_pn = A(0);
-  for (int64_t c = 0; c < ring.chunks.total; ++c) {
-    const int64_t col0 = col;  // this chunk's first column, in table row row_c
-    const int row_c = row;
-    const int next_rows = rows_in(col + kStep);
-    row += next_rows;
-    col += kStep - next_rows * dim;
-    const unsigned char* stage = ring.wait(c);
-    const ChunkAt at = ring.chunks.at(args, c);
-    const int packs = static_cast<int>(at.elems / kVec);
-    for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
-      const RowSums<A> sc = table[row_c + rows_in(col0 + int64_t(v) * kVec)];
-      rg.c_ap = sc.ap;
-      rg.c_an = sc.an;
-      rg.c_pn = sc.pn;
-      Pack<T> oa, op, on;
-      rg(ring.pack(stage, 0, v), ring.pack(stage, 1, v), ring.pack(stage, 2, v), oa, op, on);
-      store_grads(args, at.flat + int64_t(v) * kVec, oa, op, on);
-    }
-    ring.release(args, c);
-  }
-#endif
-}
-
-// Small contiguous inputs (p = 2 or 1, rows a 16-byte multiple, at most kPointwiseMaxBytes per
-// input): one 16-byte pack of each input per thread, loaded straight into registers, 128-thread
-// blocks, as Triton's pointwise backward does. There the flat kernel gets 1-2 chunks per block:
-// its latency chain (barrier init, copies, row table, barrier) and its registers and shared
-// memory (5 and 4 blocks per SM: 1.94 waves at 1024 blocks) made it 1.5x slower (ncu, (4096,
-// 512) bf16: 11.6 us against Triton's 7.7). Each thread computes its own row's scales; the
-// threads of a row load the same dists, from L1. 32-bit pack indices: the host launches it
-// only for inputs far below 2^31 packs.
+// Contiguous inputs (p = 2 or 1, rows a 16-byte multiple): given the per-row scales the
+// gradient is elementwise, so each thread loads 16-byte packs of each input straight into
+// registers, 128-thread blocks, as Triton's pointwise backward (Inductor's, torch.compile's)
+// does. Each thread computes its own row's scales; the threads of a row load the same dists,
+// from L1. It replaced, for these inputs:
+// - small inputs (up to 16 MiB each, session h): a flat bulk-copy ring kernel that streamed
+//   a, p, n as flat arrays through shared memory with a table of row scales; with 1-2 chunks
+//   per block its latency chain (barrier init, copies, row table, barrier) made it 1.5x slower
+//   (ncu, (4096, 512) bf16: 11.6 us against Triton's 7.7);
+// - every size (session p), once its loads were plain: the row ring (whole rows of >= 8 KiB)
+//   and the flat ring (the rest) both lost to it (numbers at kPointwisePlainLoads).
+// Strided rows keep the row ring (bulk) or the register-load kernel.
 constexpr int kPointwiseThreads = 128;
-// 16 MiB rather than 8: at 16 MiB per input (H200, fwd+bwd) 0.0527 / 0.0521 ms against the flat
-// kernel's 0.0544 at (8192, 1024) bf16, 0.0509 against the row ring's 0.0555 at (1024, 4096)
-// fp32, even with the flat kernel at (4096, 1024) fp32 (0.0538 vs 0.0542).
-constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;  // per input; 0: never (A/B)
+// 32-bit pack indices: the block's first pack plus its 256 stay below 2^32 (32 GiB per input;
+// larger inputs take the row ring or the register-load kernel).
+constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
 
 // Packs of each input per thread, block-strided (each load instruction of a warp reads 512
 // contiguous bytes). Triton's pointwise backward gives a thread 8 elements: 2 fp32 packs, 1
@@ -481,30 +410,6 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   }
 }
 
-// Flat chunks per block: up to 8 (32 KiB per input at 4 KiB chunks, what one block of the row
-// kernel streams at (32768, 8192) fp32), fewer where that would leave fewer than kFillBlocks
-// blocks, or where the scales of the rows a block touches would take more than kFlatTableBytes
-// of shared memory (tiny rows; one chunk's rows always fit: <= 258 rows of 24 bytes). The
-// gradient has no reduction, so this choice does not change any bit.
-constexpr bool kFlatBackward = true;  // false: the row kernel (A/B in scripts/variants.py)
-constexpr int64_t kFlatMaxChunksPerBlock = 8;
-constexpr int64_t kFlatTableBytes = 8192;
-constexpr int64_t kFlatFewRows = kFillBlocks;  // 0: whole rows >= 8 KiB always take the row ring
-
-// Rows that per_block consecutive chunks can touch (a table entry each).
-inline int64_t flat_table_rows(int64_t per_block, int64_t chunk_elems, int64_t dim) {
-  return (per_block * chunk_elems - 1) / dim + 2;
-}
-
-inline int64_t flat_chunks_per_block(int64_t chunks, int64_t chunk_elems, int64_t dim,
-                                     int64_t entry_bytes) {
-  int64_t per_block = std::max<int64_t>(1, std::min(kFlatMaxChunksPerBlock, chunks / kFillBlocks));
-  while (per_block > 1 &&
-         flat_table_rows(per_block, chunk_elems, dim) * entry_bytes > kFlatTableBytes) {
-    --per_block;
-  }
-  return per_block;
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
     const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
@@ -547,18 +452,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
   const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, anchor);
   const bool contiguous_rows =
       rows == 1 || (a.stride(0) == dim && pos.stride(0) == dim && neg.stride(0) == dim);
-  // Many whole rows of >= 8 KiB keep the row kernel: at (32768, 8192) fp32 fwd+bwd the flat
-  // one measured 2.333 ms against 2.324 (no per-pack row lookup there). Short rows, split rows
-  // and fewer than kFlatFewRows rows (a block per row would leave SMs idle; flat chunks give
-  // 2+ blocks per row) take the flat kernel: (65536, 1024) bf16 0.326 ms against 0.437
-  // (register loads), and (16, 4194304) fp32 0.603 against 0.658.
   const bool elementwise = vectorized && contiguous_rows &&
                            (dim * anchor.element_size()) % kVecBytes == 0 &&
                            norm_kind(p) != NormKind::kOther;
   const bool pointwise =
-      elementwise && rows * dim * anchor.element_size() <= kPointwiseMaxBytes;
-  const bool flat = kFlatBackward && elementwise && compute_capability_major(anchor) >= 9 &&
-                    !(bulk && cfg.splits == 1 && rows >= kFlatFewRows);
+      elementwise && rows * dim / (kVecBytes / anchor.element_size()) <= kPointwiseMaxPacks;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, anchor.scalar_type(),
@@ -587,19 +485,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
           triplet_backward_pointwise_kernel<scalar_t, K, SWAP>
               <<<(packs + kPerBlock - 1) / kPerBlock, kPointwiseThreads, 0, stream>>>(
                   args, static_cast<uint32_t>(packs), static_cast<uint32_t>(dim / kVec));
-          return;
-        }
-        if (flat) {
-          const int64_t chunk_elems = kBackwardChunkBytes / static_cast<int64_t>(sizeof(scalar_t));
-          const int64_t chunks = (rows * dim + chunk_elems - 1) / chunk_elems;
-          constexpr int64_t kEntry = sizeof(RowSums<A>);
-          const int64_t per_block = flat_chunks_per_block(chunks, chunk_elems, dim, kEntry);
-          const int64_t table_bytes =
-              std::min(rows, flat_table_rows(per_block, chunk_elems, dim)) * kEntry;
-          launch_bulk(triplet_backward_flat_kernel<scalar_t, K, SWAP>,
-                      BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes,
-                               FlatChunks>::kSmemBytes + static_cast<int>(table_bytes),
-                      (chunks + per_block - 1) / per_block, stream, args, per_block);
           return;
         }
         if (TPR == kBlockThreads && bulk) {

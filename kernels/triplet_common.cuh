@@ -452,15 +452,13 @@ template <typename T, int64_t kChunkElems>
 using RowChunksFromEnd = RowChunksOf<T, kChunkElems, true>;
 
 // Contiguous inputs seen as one flat array of rows * dim elements: block b streams chunks
-// [b * per_block, (b + 1) * per_block) of it, across row boundaries; reversed: block b takes
-// the range of block grid - 1 - b (kBackwardFromEnd; blocks start roughly in index order).
+// [b * per_block, (b + 1) * per_block) of it, across row boundaries.
 template <typename T, int64_t kChunkElems>
 struct FlatChunks {
   int64_t first, total;
-  __device__ __forceinline__ FlatChunks(const TripletRows<T>& args, int64_t per_block,
-                                        bool reversed = false) {
+  __device__ __forceinline__ FlatChunks(const TripletRows<T>& args, int64_t per_block) {
     const int64_t chunks = (args.rows * args.dim + kChunkElems - 1) / kChunkElems;
-    first = int64_t(reversed ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * per_block;
+    first = int64_t(blockIdx.x) * per_block;
     total = max(int64_t(0), min(per_block, chunks - first));
   }
   __device__ __forceinline__ ChunkAt at(const TripletRows<T>& args, int64_t c) const {

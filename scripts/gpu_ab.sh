@@ -10,12 +10,12 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="pointwise_nc_loads bwd_pointwise_1g"
+variants="pointwise_nc_loads pointwise_in_order bwd_pointwise_max16m tree=.ab/main"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
   for n in $variants; do
-    python3 scripts/variants.py --child build "$n" > "$out/build_$n.log" 2>&1 &
+    python3 scripts/variants.py --child build "$n" > "$out/build_${n//\//_}.log" 2>&1 &
   done
   timeout 240 python3 -m pytest tests/test_cuda_backward.py tests/test_cuda.py -q -x \
     > "$out/pytest_ab.txt" 2>&1
@@ -30,22 +30,26 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Branch pointwise-plain-loads (session p, not yet run on a GPU): the pointwise backward with
-  # plain loads (session p: up to 1 GiB per input it beat the ring backward and torch.compile at
-  # (32768, 8192) fp32, 2.2497 ms, and the flat ring at (262144, 256) fp32; plain loads in the
-  # other kernels changed nothing). Where it runs on this branch (<= 16 MiB per input) against
-  # the no-allocate loads before (pointwise_nc_loads): the small shapes compile still wins.
+  # Branch pointwise-all (session p, not yet run on a GPU): the pointwise backward, with plain
+  # loads, for contiguous aligned rows of every size (session p, up to 1 GiB per input: faster
+  # than the row ring and torch.compile at (32768, 8192) fp32, 2.2497 ms, and than the flat ring
+  # at (262144, 256) fp32); the flat ring removed. Against main's kernels (tree=.ab/main: make
+  # it with `mkdir -p .ab/main && git archive main kernels | tar -x -C .ab/main` and pass
+  # carry [".ab"]), the pointwise blocks in order, and its no-allocate loads where it ran
+  # before (<= 16 MiB per input).
+  ab 32768x8192 fp32 tree=.ab/main,pointwise_in_order --backward
+  ab 65536x1024 bf16 tree=.ab/main,pointwise_in_order --backward
+  ab 262144x256 bf16 tree=.ab/main --backward
+  ab 16x4194304 fp32 tree=.ab/main --backward
+  ab 4096x512 bf16 pointwise_nc_loads,pointwise_in_order --backward
   ab 4096x512 fp32 pointwise_nc_loads --backward
-  ab 4096x512 bf16 pointwise_nc_loads --backward
-  ab 128x4096 bf16 pointwise_nc_loads --backward
-  ab 1024x128 bf16 pointwise_nc_loads --backward
-  ab 65536x1024 bf16 bwd_pointwise_1g --backward
-  ab 16x4194304 fp32 bwd_pointwise_1g --backward
   exit 0
 fi
-# ab2: up to 1 GiB per input (bwd_pointwise_1g) at the sweep's other shapes over 16 MiB.
-ab 262144x256 bf16 bwd_pointwise_1g --backward
-ab 32768x8192 bf16 bwd_pointwise_1g --backward
-ab 65536x1024 fp32 bwd_pointwise_1g --backward
-ab 4x16777216 fp32 bwd_pointwise_1g --backward
-ab 16x4194304 bf16 bwd_pointwise_1g --backward
+# ab2: the sweep's other shapes, and the ring at 1 GiB (bwd_pointwise_max16m).
+ab 262144x256 fp32 tree=.ab/main --backward
+ab 65536x1024 fp32 tree=.ab/main --backward
+ab 32768x8192 bf16 tree=.ab/main --backward
+ab 4x16777216 fp32 tree=.ab/main --backward
+ab 16x4194304 bf16 tree=.ab/main,bwd_pointwise_max16m --backward
+ab 128x4096 bf16 pointwise_nc_loads --backward
+ab 1024x128 bf16 pointwise_nc_loads --backward

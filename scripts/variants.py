@@ -33,17 +33,10 @@ STAGES = "constexpr int kForwardStages = 4;"
 CHUNK = "constexpr int kForwardChunkBytes = sizeof(T) < 4 && !kSplitRows ? 4096 : 8192;"
 BWD_STAGES = "constexpr int kBackwardStages = 4;"
 BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
-BWD_BULK = ("const bool bulk = use_bulk_kernel(cfg, dim, anchor.element_size(), vectorized, "
-            "anchor);\n  const bool contiguous_rows")
-BWD_NOBULK = (BWD_BULK, "const bool bulk = false;\n  const bool contiguous_rows")
-FLAT = "constexpr bool kFlatBackward = true;"
 TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
-FEW_ROWS = "constexpr int64_t kFlatFewRows = kFillBlocks;"
-FLAT_PER_BLOCK = "constexpr int64_t kFlatMaxChunksPerBlock = 8;"
-POINTWISE = "constexpr int64_t kPointwiseMaxBytes = int64_t(16) << 20;"
+PW_MAX = "constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;"
+PW_BLOCK = "const uint32_t block = kBackwardFromEnd ? gridDim.x - 1 - blockIdx.x : blockIdx.x;"
 PW_PACKS = "constexpr int kPointwisePacks = 2;"
-BWD_BOUNDS = "__launch_bounds__(kBlockThreads)\n    triplet_backward_kernel("
-BWD_UNROLL = "constexpr int kBackwardUnroll = 4;"
 CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
 L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
@@ -124,40 +117,28 @@ VARIANTS = {
     "bwd_plain_stores": [("__stcs(reinterpret_cast<uint4*>(ptr), raw);",
                           "*reinterpret_cast<uint4*>(ptr) = raw;")],
     "team_by_length": [(TEAM_FILL, TEAM_FILL.replace("kFillBlocks;", "0;"))],  # before
-    "bwd_few_rows_ring": [(FEW_ROWS, FEW_ROWS.replace("kFillBlocks;", "0;"))],  # before
-    "bwd_rows_bulk": [(FLAT, FLAT.replace("true", "false"))],  # row-by-row ring, no flat kernel
-    "bwd_flat_all": [("\n                    !(bulk && cfg.splits == 1 && rows >= kFlatFewRows);", " true;")],  # long rows too
-    "bwd_no_pointwise": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "0"))],
-    "bwd_pointwise_8m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(8) << 20"))],
-    "bwd_pointwise_32m": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(32) << 20"))],
-    # Session m: fwd+bwd at (262144, 256) / (65536, 1024) runs 3-4% behind torch.compile, whose
-    # backward is pointwise; ours takes the flat ring above 16 MiB per input. Pointwise up to
-    # 1 GiB per input (its 32-bit pack index holds 64 GiB). Session n, fwd+bwd ms: (262144,
-    # 256) fp32 0.5885 vs 0.5904 / 0.5908; (65536, 1024) bf16 0.3117 vs 0.3088 / 0.3081. Mixed:
-    # not merged. Session o, with 2 packs per thread, against the reversed backward: (32768,
-    # 8192) fp32 2.2928 vs 2.2725 / 2.2722, (262144, 256) fp32 0.5902 vs 0.5878 / 0.5881, (65536,
-    # 1024) bf16 0.3105 vs 0.3084 / 0.3072: slower.
-    "bwd_pointwise_1g": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30"))],
-    # Session p: Inductor's backward at (32768, 8192) fp32 is one pointwise kernel (1024 elements
-    # per 128-thread program, in order, plain loads and stores;
-    # results/h200_inductor_32768x8192_fp32_2026-11-30p.txt), 1.510 ms a call against our bulk
-    # backward's 1.554. fwd+bwd ms: (32768, 8192) fp32 base 2.2731-2.2737, 1g 2.2980, in order
-    # 2.2818, plain loads 2.2497 / 2.2499 (compile 2.2557); (262144, 256) fp32 base 0.5881 /
-    # 0.5886, 1g 0.5920, in order 0.5905, plain loads 0.5795 (compile 0.5787). The pointwise
-    # kernel up to 1 GiB per input, now with plain stores, in order, or with plain loads (the
-    # loads' edit reaches the forward too).
-    "bwd_pointwise_1g_in_order": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
-                                  ("constexpr bool kBackwardFromEnd = true;",
-                                   "constexpr bool kBackwardFromEnd = false;")],
-    # Branch pointwise-plain-loads: the pointwise backward's loads as before (read-only,
-    # no L1 allocation); there bwd_pointwise_1g has plain loads by itself.
+    # The pointwise backward's reach (branch pointwise-all: every size up to 2^31 packs per
+    # input; the flat bulk-copy backward removed). Before: up to 16 MiB per input (session h;
+    # 8 / 32 MiB and none timed), then the flat ring (short rows, split rows, fewer than 1024
+    # rows) or the row ring (>= 1024 whole rows of >= 8 KiB). Up to 1 GiB, fwd+bwd ms: session n
+    # (1 pack, no-allocate loads, evict-first stores) (262144, 256) fp32 0.5885 vs 0.5904 /
+    # 0.5908, (65536, 1024) bf16 0.3117 vs 0.3088 / 0.3081; session o (2 packs) (32768, 8192)
+    # fp32 2.2928 vs 2.2725 / 2.2722; session p (plain stores; Inductor's backward there is one
+    # pointwise kernel, 1.510 ms a call against our row ring's 1.554,
+    # results/h200_inductor_32768x8192_fp32_2026-11-30p.txt): no-allocate loads 2.2980, in
+    # order 2.2818, plain loads 2.2497 / 2.2499 vs the ring's 2.2731-2.2737 (compile 2.2557);
+    # (262144, 256) fp32 0.5920 / 0.5905 / 0.5795 vs the flat ring's 0.5881 / 0.5886 (0.5787).
+    # bwd_pointwise_max16m: back to 16 MiB; above it, whole rows of >= 8 KiB take the row ring
+    # on sm_90 and the rest the register-load kernel (the flat ring is gone).
+    "bwd_pointwise_max16m": [(PW_MAX, PW_MAX.replace("int64_t(1) << 31", "int64_t(1) << 20"))],
+    # The pointwise blocks in order (kBackwardFromEnd keeps the other kernels' walk).
+    "pointwise_in_order": [(PW_BLOCK, "const uint32_t block = blockIdx.x;")],
+    # The pointwise backward's loads as before session p (read-only, no L1 allocation).
     "pointwise_nc_loads": [("constexpr bool kPointwisePlainLoads = true;",
                             "constexpr bool kPointwisePlainLoads = false;")],
     # Every kernel's streaming loads plain. Session p, (32768, 8192) fp32: fwd+bwd 2.2734 vs
     # 2.2733 / 2.2737, forward 0.7145 vs 0.7148 / 0.7149: no change.
     "plain_loads": [(LOAD, "ld.global.v4.u32")],
-    "bwd_pointwise_1g_plain_loads": [(POINTWISE, POINTWISE.replace("int64_t(16) << 20", "int64_t(1) << 30")),
-                                     (LOAD, "ld.global.v4.u32")],
     # The backward walks the rows in order, not from the last one down (kBackwardFromEnd: the
     # rows the forward read last may still be in L2). Session o: 0.07% slower at (32768, 8192)
     # fp32, 0.4-0.7% at (262144, 256) fp32 / (65536, 1024) bf16 (numbers at kBackwardFromEnd).
@@ -167,17 +148,6 @@ VARIANTS = {
     # elements, 2 fp32 packs). Session o: 2 faster than 1 at (4096, 512) (numbers there).
     "bwd_pointwise_x1": [(PW_PACKS, PW_PACKS.replace("2;", "1;"))],
     "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("2;", "4;"))],
-    "bwd_flat_4": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "4"))],
-    "bwd_flat_16": [(FLAT_PER_BLOCK, FLAT_PER_BLOCK.replace("8", "16"))],
-    "bwd_nobulk": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false"))],
-    # register-load backward, 16-bit types (time with --dtype bf16): 4 packs as fp32 (was main's)
-    "bwd_nobulk_16bit_u4": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")),
-                            (": sizeof(T) == 2      ? kBackwardUnroll / 2",
-                             ": sizeof(T) == 2      ? kBackwardUnroll")],
-    "bwd_nobulk_u2_mb4": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")), (BWD_UNROLL, BWD_UNROLL.replace("4", "2")),
-                          (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 4)"))],
-    "bwd_nobulk_u1_mb6": [BWD_NOBULK, (FLAT, FLAT.replace("true", "false")), (BWD_UNROLL, BWD_UNROLL.replace("4", "1")),
-                          (BWD_BOUNDS, BWD_BOUNDS.replace("(kBlockThreads)", "(kBlockThreads, 6)"))],
     # Where the small pointwise backward loses to Triton's (7.42 vs 4.91 us at (4096, 512) bf16;
     # not its load order: session h): gradients stored with plain stores instead of st.global.cs
     # (evict-first), and fp32 division by the distance as div.full.f32 (Triton's `/`: 2 ulp, full

@@ -100,40 +100,40 @@ def test_other_dtypes_close_to_fp64(dtype):
             assert (x.double() - r).abs().max() <= (t.double() - r).abs().max() * 1.01 + 1e-7
 
 
-# >= 1024 whole rows (not split) of >= 8 KiB, 16-byte multiples, partial chunk, more than
-# kPointwiseMaxBytes (16 MiB) per input: the row ring (fp32 17.2 MiB, fp64; 16-bit rows are
-# < 8 KiB and 8.6 MiB: pointwise).
-BULK_SHAPE = (1500, 3000)
-# Other contiguous inputs with 16-byte rows over 16 MiB per input take the flat bulk-copy
-# backward on sm_90: 16-byte rows (8 elements: hundreds of rows per chunk; over 16 MiB in every
-# dtype), chunks that cross rows (16384 x 300), few long rows (3 x 1500000, split in forward)
-# (these two in fp32 and fp64; 16-bit: pointwise).
-FLAT_SHAPES = [BULK_SHAPE, (1100000, 8), (16384, 300), (3, 1500000)]
-# Up to 16 MiB per input they take the pointwise kernel (any GPU): rows that are few and long,
-# 16 bytes, not a multiple of the 128-thread block, a single row, and 12.6 MiB in fp32 (the
-# row ring's shape below 16 MiB).
-POINTWISE_SHAPES = [(600, 3000), (4096, 8), (2048, 100), (3, 100000), (1, 4), (1100, 3000)]
+# Contiguous rows that are 16-byte multiples, p = 2 or 1, take the pointwise backward (any GPU,
+# up to 2^31 packs per input): whole rows of >= 8 KiB (1500 x 3000 in fp32 and fp64: the row
+# ring's shape before session p; the last 4 KiB chunk a part one), 16-byte rows (8 elements:
+# hundreds of rows per block), rows that cross blocks (16384 x 300), few long rows
+# (3 x 1500000, split in forward), rows that are few and long, 16 bytes, not a multiple of the
+# 128-thread block, a single row.
+POINTWISE_SHAPES = [(1500, 3000), (1100000, 8), (16384, 300), (3, 1500000), (600, 3000),
+                    (4096, 8), (2048, 100), (3, 100000), (1, 4), (1100, 3000)]
+# Strided rows (x[:, :D] of a (rows, width) tensor), 16-byte aligned, of >= 8 KiB in every
+# dtype, take the row-by-row bulk-copy backward (the row ring) on sm_90; the last 4 KiB chunk
+# of a row is a part one (16 bytes in 16-bit types).
+ROW_RING_STRIDED = ((1100, 4104), 4112)
 
 
-@pytest.mark.parametrize("shape", FLAT_SHAPES + POINTWISE_SHAPES)
+@pytest.mark.parametrize("shape, width", [(s, None) for s in POINTWISE_SHAPES] + [ROW_RING_STRIDED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 @pytest.mark.parametrize("swap", [False, True])
-def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
-    """Aligned contiguous rows take the pointwise backward (up to 16 MiB per input) or, on
-    sm_90, the bulk-copy ones (flat and row ring): each subset of needed gradients, a
-    per-sample upstream gradient, against float64 autograd, as accurate as torch's own autograd
-    in that dtype."""
-    a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=19)
-    upstream = torch.rand(shape[0], device=DEV, dtype=dtype)
+def test_needed_gradients_pointwise_and_row_ring(dtype, pnorm, swap, shape, width):
+    """Aligned rows with p = 2 or 1: contiguous ones take the pointwise backward, strided ones
+    of >= 8 KiB the row ring (sm_90): each subset of needed gradients, a per-sample upstream
+    gradient, against float64 autograd, as accurate as torch's own autograd in that dtype."""
+    rows, d = shape
+    a, p, n = rand_triplet((rows, width or d), dtype=dtype, device=DEV, seed=19)
+    view = (lambda x: x) if width is None else (lambda x: x[:, :d])
+    upstream = torch.rand(rows, device=DEV, dtype=dtype)
     kw = dict(margin=2.0, p=pnorm, swap=swap, reduction="none")
-    _, exact = grads(lambda *x: F.triplet_margin_loss(*x, **kw),
+    _, exact = grads(lambda *x: F.triplet_margin_loss(*map(view, x), **kw),
                      [x.detach().double().requires_grad_() for x in (a, p, n)], upstream.double())
     for mask in ([True, True, True], [True, False, True], [False, True, False]):
         xs = [x.detach().clone().requires_grad_(m) for x, m in zip((a, p, n), mask)]
-        _, ours = grads(lambda *x: fused_loss(*x, margin=2.0, pnorm=pnorm, swap=swap,
+        _, ours = grads(lambda *x: fused_loss(*map(view, x), margin=2.0, pnorm=pnorm, swap=swap,
                                               reduction="none"), xs, upstream)
-        _, theirs = grads(lambda *x: F.triplet_margin_loss(*x, **kw), xs, upstream)
+        _, theirs = grads(lambda *x: F.triplet_margin_loss(*map(view, x), **kw), xs, upstream)
         for x, y, r, needed in zip(ours, theirs, exact, mask):
             if not needed:
                 assert x is None
@@ -145,7 +145,7 @@ def test_bulk_copy_rows_gradients(dtype, pnorm, swap, shape):
 # Team sizes on both sides of choose_row_config's fill rule: many rows keep teams of 8 and 32
 # threads with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256,
 # bulk forward). The backward's team matters for p = inf and 3 (register loads); for p = 2 these
-# take the pointwise kernel (<= 16 MiB per input) or the flat one ((8192, 520): 16.25 MiB).
+# take the pointwise kernel.
 # (32768, 200) fp32 and (32768, 512) bf16: teams of 8 with 50 and 64 packs per row (the most a
 # team of 8 takes), so their threads run the 4-pack unrolled loop, not only its tail.
 TEAM_SHAPES = [((32768, 64), torch.float32), ((32768, 200), torch.float32),
@@ -179,8 +179,8 @@ def test_team_sizes_forward_and_gradients(shape, dtype, pnorm):
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 def test_aligned_strided_rows_gradients(pnorm, dtype, width):
     """x[:, :D] of a wider tensor, rows 16-byte aligned but not contiguous: long rows take the
-    row-by-row bulk-copy backward, short ones the register-load kernel's vector path (the flat
-    kernel needs contiguous rows)."""
+    row-by-row bulk-copy backward, short ones the register-load kernel's vector path (the
+    pointwise kernel needs contiguous rows)."""
     d, wide_d = width
     wide = [x.detach().requires_grad_()
             for x in rand_triplet((600, wide_d), dtype=dtype, device=DEV, seed=20)]
@@ -287,9 +287,9 @@ def test_poisoned_gradients_fully_written():
     assert all(torch.isfinite(x).all() for x in ours)
 
 
-# Register loads (2047: rows not 16-byte multiples), the pointwise kernel (500 x 2048,
-# 3 x 100000), the flat kernel (16384 x 300, 3 x 1500000), the row ring (BULK_SHAPE).
-@pytest.mark.parametrize("shape", [(500, 2047), (500, 2048), (16384, 300), BULK_SHAPE,
+# Register loads (2047: rows not 16-byte multiples), the pointwise kernel (the rest: short
+# rows, rows across blocks, whole rows of >= 8 KiB, few long rows).
+@pytest.mark.parametrize("shape", [(500, 2047), (500, 2048), (16384, 300), (1500, 3000),
                                    (3, 100000), (3, 1500000)])
 def test_deterministic_gradients(shape):
     a, p, n = (x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=9))

@@ -63,18 +63,20 @@ def test_inputs_on_different_gpus_raise_torch_error(moved):
     same_error(lambda: ft.triplet_margin_loss(*inputs), lambda: F.triplet_margin_loss(*inputs))
 
 
-# One shape per backward kernel family: flat ring (short rows), row ring (whole rows >= 8 KiB),
-# split rows (few long rows), register loads (rows that are not 16-byte multiples).
+# One case per backward kernel family: pointwise (contiguous rows), row ring (strided rows of
+# >= 8 KiB: x[:, :D] of a (rows, width) tensor), the row ring's split rows (few long strided
+# rows), register loads (rows that are not 16-byte multiples).
 @requires_two_gpus
-@pytest.mark.parametrize("shape", [(4096, 256), (256, 8192), (4, 1 << 20), (300, 999)])
-def test_backward_on_second_gpu_while_current_is_first(shape):
+@pytest.mark.parametrize("shape, width", [((4096, 256), None), ((256, 8192), 8200),
+                                          ((4, 1 << 20), (1 << 20) + 4), ((300, 999), None)])
+def test_backward_on_second_gpu_while_current_is_first(shape, width):
     torch.cuda.set_device(0)
-    inputs = rand_triplet(shape, device="cuda:1", seed=3)
+    inputs = rand_triplet((shape[0], width or shape[1]), device="cuda:1", seed=3)
     ours = [x.clone().requires_grad_() for x in inputs]
     theirs = [x.clone().requires_grad_() for x in inputs]
-    loss = ft.triplet_margin_loss(*ours)
+    loss = ft.triplet_margin_loss(*(x[:, :shape[1]] for x in ours))
     loss.backward()
-    F.triplet_margin_loss(*theirs).backward()
+    F.triplet_margin_loss(*(x[:, :shape[1]] for x in theirs)).backward()
     assert loss.device == torch.device("cuda:1")
     for x, y in zip(ours, theirs):
         assert x.grad.device == torch.device("cuda:1")
