@@ -410,7 +410,6 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   }
 }
 
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda(
     const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
     const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
