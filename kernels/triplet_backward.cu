@@ -192,6 +192,9 @@ constexpr int kBackwardUnroll = 4;
 // 0.3084 / 0.3072 vs 0.3094, (4096, 512) bf16 0.0221 / 0.0215 vs 0.0224, (32768, 8192) fp32
 // 2.2724 / 2.2723 vs 2.2739 (the L2 holds about 1.5% of the forward's bytes there).
 constexpr bool kBackwardFromEnd = true;
+// The row ring's units (rows or row slices) in that order.
+template <typename T, int64_t kChunkElems>
+using BackwardRowChunks = RowChunksOf<T, kChunkElems, kBackwardFromEnd>;
 
 template <typename T, NormKind K, int TPR, bool SWAP>
 __global__ void __launch_bounds__(kBlockThreads)
@@ -307,9 +310,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   extern __shared__ __align__(128) unsigned char stage_mem[];
-  using Ring = std::conditional_t<
-      kBackwardFromEnd, BulkRing<T, kBackwardStages, kBackwardChunkBytes, RowChunksFromEnd>,
-      BulkRing<T, kBackwardStages, kBackwardChunkBytes, RowChunks>>;
+  using Ring = BulkRing<T, kBackwardStages, kBackwardChunkBytes, BackwardRowChunks>;
   __shared__ __align__(8) uint64_t full[kBackwardStages];
 
   Ring ring(args, stage_mem, full, typename Ring::Order(args));
@@ -489,7 +490,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> triplet_margin_loss_backward_cuda
         if (TPR == kBlockThreads && bulk) {
           launch_bulk(triplet_backward_bulk_kernel<scalar_t, K, SWAP>,
                       BulkRing<scalar_t, kBackwardStages, kBackwardChunkBytes,
-                               RowChunks>::kSmemBytes,
+                               BackwardRowChunks>::kSmemBytes,
                       cfg.grid, stream, args);
           return;
         }

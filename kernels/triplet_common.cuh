@@ -404,7 +404,7 @@ struct ChunkAt {
 // Units b, b + grid, ... of block b, each cut into chunks (rows of any stride). A unit is
 // slice u % splits of row u / splits: columns [slice * split_elems, + split_elems), the whole
 // row when splits = 1. A row's last slice may be shorter: its missing chunks are empty.
-// kFromEnd: the same units counted from the last one down (RowChunksFromEnd, the backward's:
+// kFromEnd: the same units counted from the last one down (BackwardRowChunks, the backward's:
 // kBackwardFromEnd); a compile-time choice, so the in-order walk costs nothing more.
 template <typename T, int64_t kChunkElems, bool kFromEnd>
 struct RowChunksOf {
@@ -448,8 +448,6 @@ struct RowChunksOf {
 
 template <typename T, int64_t kChunkElems>
 using RowChunks = RowChunksOf<T, kChunkElems, false>;
-template <typename T, int64_t kChunkElems>
-using RowChunksFromEnd = RowChunksOf<T, kChunkElems, true>;
 
 // Contiguous inputs seen as one flat array of rows * dim elements: block b streams chunks
 // [b * per_block, (b + 1) * per_block) of it, across row boundaries.
