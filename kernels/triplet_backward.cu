@@ -183,9 +183,10 @@ __device__ __forceinline__ void store_grads(const BackwardArgs<T>& args, int64_t
 
 constexpr int kBackwardUnroll = 4;
 
-// Every backward kernel walks the rows from the last one down. The forward (every kernel of it
-// walks up) has just read the inputs' last rows, and the backward usually runs right after it:
-// up to the L2's size of them can then come from L2, not DRAM.
+// The ring and register-load backward kernels walk the rows from the last one down (the
+// pointwise kernel walks up: numbers there). The forward (every kernel of it walks up) has
+// just read the inputs' last rows, and the backward usually runs right after it: up to the
+// L2's size of them can then come from L2, not DRAM.
 // torch.compile's backward walks up, from rows evicted long ago. No bit changes: the gradient
 // has no reduction across rows. false: in order (A/B, scripts/variants.py). Session o, fwd+bwd
 // ms, from the end / in order: (262144, 256) fp32 0.5878 / 0.5881 vs 0.5907, (65536, 1024) bf16
@@ -385,8 +386,13 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
   constexpr int kP = kPointwisePacks;
-  // The grid covers every pack once (the host sizes it): no grid-stride loop.
-  const uint32_t block = kBackwardFromEnd ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  // The grid covers every pack once (the host sizes it): no grid-stride loop. Blocks in order,
+  // as Inductor's: from the end (kBackwardFromEnd, the ring kernels' walk) was slower once the
+  // loads were plain. Session q, fwd+bwd ms, in order vs from the end: (32768, 8192) fp32
+  // 2.2381 vs 2.2493 / 2.2497, bf16 1.1319 vs 1.1336 / 1.1337; (262144, 256) fp32 0.5790 vs
+  // 0.5799, bf16 0.3038 vs 0.3049 / 0.3044; (4, 16777216) fp32 0.5821 vs 0.5829 / 0.5821;
+  // (65536, 1024) fp32 0.5756 vs 0.5737 / 0.5739.
+  const uint32_t block = blockIdx.x;
   const uint32_t first = block * uint32_t(kPointwiseThreads * kP) + threadIdx.x;
   Pack<T> pa[kP], pp[kP], pn[kP];
 #pragma unroll

@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
-variants="pointwise_nc_loads pointwise_in_order bwd_pointwise_max16m tree=.ab/main"
+variants="pointwise_nc_loads pointwise_from_end bwd_pointwise_max16m"
 v="--only"
 ( time python3 fused_triplet.py --build ) > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 if [ "${1:-test}" = test ]; then
@@ -30,26 +30,17 @@ ab() {  # shape dtype variant,variant... [--backward]
     | tee "$out/ab_$1_$2${4:-}.txt"
 }
 if [ "$1" = ab ]; then
-  # Branch pointwise-all (session p, not yet run on a GPU): the pointwise backward, with plain
-  # loads, for contiguous aligned rows of every size (session p, up to 1 GiB per input: faster
-  # than the row ring and torch.compile at (32768, 8192) fp32, 2.2497 ms, and than the flat ring
-  # at (262144, 256) fp32); the flat ring removed. Against main's kernels (tree=.ab/main: make
-  # it with `mkdir -p .ab/main && git archive main kernels | tar -x -C .ab/main` and pass
-  # carry [".ab"]), the pointwise blocks in order, and its no-allocate loads where it ran
-  # before (<= 16 MiB per input).
-  ab 32768x8192 fp32 tree=.ab/main,pointwise_in_order --backward
-  ab 65536x1024 bf16 tree=.ab/main,pointwise_in_order --backward
-  ab 262144x256 bf16 tree=.ab/main --backward
-  ab 16x4194304 fp32 tree=.ab/main --backward
-  ab 4096x512 bf16 pointwise_nc_loads,pointwise_in_order --backward
-  ab 4096x512 fp32 pointwise_nc_loads --backward
+  # The pointwise backward (plain loads, blocks in order) where session q did not time it: the
+  # small shapes, against its no-allocate loads (what ran there before session q) and its
+  # blocks from the end.
+  ab 4096x512 bf16 pointwise_nc_loads,pointwise_from_end --backward
+  ab 4096x512 fp32 pointwise_nc_loads,pointwise_from_end --backward
+  ab 128x4096 bf16 pointwise_nc_loads,pointwise_from_end --backward
+  ab 1024x128 bf16 pointwise_nc_loads,pointwise_from_end --backward
   exit 0
 fi
-# ab2: the sweep's other shapes, and the ring at 1 GiB (bwd_pointwise_max16m).
-ab 262144x256 fp32 tree=.ab/main --backward
-ab 65536x1024 fp32 tree=.ab/main --backward
-ab 32768x8192 bf16 tree=.ab/main --backward
-ab 4x16777216 fp32 tree=.ab/main --backward
-ab 16x4194304 bf16 tree=.ab/main,bwd_pointwise_max16m --backward
-ab 128x4096 bf16 pointwise_nc_loads --backward
-ab 1024x128 bf16 pointwise_nc_loads --backward
+# ab2: blocks in order again at the sizes session q timed once, and the ring at 1 GiB.
+ab 32768x8192 fp32 pointwise_from_end --backward
+ab 65536x1024 bf16 pointwise_from_end --backward
+ab 65536x1024 fp32 pointwise_from_end --backward
+ab 16x4194304 bf16 bwd_pointwise_max16m --backward

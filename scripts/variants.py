@@ -35,7 +35,7 @@ BWD_STAGES = "constexpr int kBackwardStages = 4;"
 BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
 TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
 PW_MAX = "constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;"
-PW_BLOCK = "const uint32_t block = kBackwardFromEnd ? gridDim.x - 1 - blockIdx.x : blockIdx.x;"
+PW_BLOCK = "const uint32_t block = blockIdx.x;"
 PW_PACKS = "constexpr int kPointwisePacks = 2;"
 CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
 L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
@@ -131,8 +131,9 @@ VARIANTS = {
     # bwd_pointwise_max16m: back to 16 MiB; above it, whole rows of >= 8 KiB take the row ring
     # on sm_90 and the rest the register-load kernel (the flat ring is gone).
     "bwd_pointwise_max16m": [(PW_MAX, PW_MAX.replace("int64_t(1) << 31", "int64_t(1) << 20"))],
-    # The pointwise blocks in order (kBackwardFromEnd keeps the other kernels' walk).
-    "pointwise_in_order": [(PW_BLOCK, "const uint32_t block = blockIdx.x;")],
+    # The pointwise blocks from the last one down, as the ring kernels walk (kBackwardFromEnd).
+    # Session q, in order (now main) vs from the end: numbers at the pointwise kernel's block.
+    "pointwise_from_end": [(PW_BLOCK, "const uint32_t block = gridDim.x - 1 - blockIdx.x;")],
     # The pointwise backward's loads as before session p (read-only, no L1 allocation).
     "pointwise_nc_loads": [("constexpr bool kPointwisePlainLoads = true;",
                             "constexpr bool kPointwisePlainLoads = false;")],
