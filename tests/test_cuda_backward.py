@@ -287,15 +287,19 @@ def test_poisoned_gradients_fully_written():
     assert all(torch.isfinite(x).all() for x in ours)
 
 
-# Register loads (2047: rows not 16-byte multiples), the pointwise kernel (the rest: short
-# rows, rows across blocks, whole rows of >= 8 KiB, few long rows).
-@pytest.mark.parametrize("shape", [(500, 2047), (500, 2048), (16384, 300), (1500, 3000),
-                                   (3, 100000), (3, 1500000)])
-def test_deterministic_gradients(shape):
-    a, p, n = (x.requires_grad_() for x in rand_triplet(shape, device=DEV, seed=9))
-    _, first = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+# Register loads (2047: rows not 16-byte multiples), the pointwise kernel (short rows, rows
+# across blocks, whole rows of >= 8 KiB, few long rows), the row ring (ROW_RING_STRIDED).
+@pytest.mark.parametrize("shape, width", [(s, None) for s in [
+    (500, 2047), (500, 2048), (16384, 300), (1500, 3000), (3, 100000), (3, 1500000)]] +
+    [ROW_RING_STRIDED])
+def test_deterministic_gradients(shape, width):
+    rows, d = shape
+    a, p, n = (x.requires_grad_()
+               for x in rand_triplet((rows, width or d), device=DEV, seed=9))
+    loss = lambda *x: fused_loss(*(t[:, :d] for t in x), swap=True)
+    _, first = grads(loss, (a, p, n))
     for _ in range(100):
-        _, again = grads(lambda *x: fused_loss(*x, swap=True), (a, p, n))
+        _, again = grads(loss, (a, p, n))
         assert all(torch.equal(x, y) for x, y in zip(first, again))
 
 
