@@ -11,7 +11,8 @@ before each start event as in bench.py) after two flushes:
   clean: flush.zero_(), then a read of another 256 MiB buffer (the L2 holds clean lines).
 and at `scales` x the rows, so t = fixed + bytes / bandwidth fits from the sizes: the slope is
 the kernel's streaming bandwidth, the intercept its fixed cost (launch, ramp, tail, follow-up
-kernel, the events themselves). "events" is an empty pair of events after the same flush.
+kernel, the events themselves). "events" is an empty pair of events after the same flush;
+"sum(same bytes)" is torch.sum over one fp32 buffer of the case's input bytes (a plain read).
 """
 
 import argparse
@@ -70,7 +71,10 @@ def main():
         for scale in (int(s) for s in args.scales.split(",")):
             inputs = bench.make_inputs((rows * scale, dim), bench.DTYPES[dtype_name])
             nbytes = sum(x.numel() * x.element_size() for x in inputs)
-            fns = {"fused_triplet": ours, "events": lambda *xs: None}
+            # torch.sum over one buffer of the same bytes: a plain streaming read, for a floor.
+            same_bytes = torch.rand(nbytes // 4, device="cuda")
+            fns = {"fused_triplet": ours, "events": lambda *xs: None,
+                   "sum(same bytes)": lambda *xs: same_bytes.sum()}
             if args.compile:
                 torch._dynamo.reset()
                 fns["torch.compile"] = torch.compile(torch.nn.TripletMarginLoss())
@@ -81,7 +85,7 @@ def main():
                         print(f"{case:>22} {scale:>6} {nbytes / 1e6:7.1f} {mode:>6} {name:>14} "
                               f"{ms:8.4f} {tbps:6.2f}", flush=True)
                         fits.setdefault((mode, name), []).append((nbytes, ms))
-            del inputs
+            del inputs, same_bytes
         for (mode, name), points in fits.items():
             if name == "events" or len(points) < 2:
                 continue

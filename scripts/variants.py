@@ -149,6 +149,12 @@ VARIANTS = {
     # elements, 2 fp32 packs). Session o: 2 faster than 1 at (4096, 512) (numbers there).
     "bwd_pointwise_x1": [(PW_PACKS, PW_PACKS.replace("2;", "1;"))],
     "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("2;", "4;"))],
+    # 8 elements per thread per input in every dtype, as Triton's: 1 pack for 2-byte types.
+    "bwd_pointwise_8elems": [("constexpr int kP = kPointwisePacks;",
+                              "constexpr int kP = sizeof(T) < 4 ? 1 : kPointwisePacks;"),
+                             ("constexpr int64_t kPerBlock = kPointwiseThreads * kPointwisePacks;",
+                              "constexpr int64_t kPerBlock = kPointwiseThreads * "
+                              "(sizeof(scalar_t) < 4 ? 1 : kPointwisePacks);")],
     # Where the small pointwise backward loses to Triton's (7.42 vs 4.91 us at (4096, 512) bf16;
     # not its load order: session h): gradients stored with plain stores instead of st.global.cs
     # (evict-first), and fp32 division by the distance as div.full.f32 (Triton's `/`: 2 ulp, full
