@@ -139,6 +139,9 @@ VARIANTS = {
                             "constexpr bool kPointwisePlainLoads = false;")],
     # Every kernel's streaming loads plain. Session p, (32768, 8192) fp32: fwd+bwd 2.2734 vs
     # 2.2733 / 2.2737, forward 0.7145 vs 0.7148 / 0.7149: no change.
+    # Session r (the team kernel): forward (262144, 256) bf16 0.1087 vs 0.1084 / 0.1082,
+    # (65536, 1024) bf16 0.1064 vs 0.1082 / 0.1080; fwd+bwd (262144, 256) bf16 0.3018 vs
+    # 0.3039 / 0.3028. Not landed (no device time left for the suite).
     "plain_loads": [(LOAD, "ld.global.v4.u32")],
     # The backward walks the rows in order, not from the last one down (kBackwardFromEnd: the
     # rows the forward read last may still be in L2). Session o: 0.07% slower at (32768, 8192)
@@ -150,6 +153,8 @@ VARIANTS = {
     "bwd_pointwise_x1": [(PW_PACKS, PW_PACKS.replace("2;", "1;"))],
     "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("2;", "4;"))],
     # 8 elements per thread per input in every dtype, as Triton's: 1 pack for 2-byte types.
+    # Session r, fwd+bwd ms vs base: (262144, 256) bf16 0.3026 vs 0.3044 / 0.3042, (65536, 1024)
+    # bf16 0.3004 vs 0.3010 / 0.3013, (4096, 512) bf16 0.0221 vs 0.0205 / 0.0213: not kept.
     "bwd_pointwise_8elems": [("constexpr int kP = kPointwisePacks;",
                               "constexpr int kP = sizeof(T) < 4 ? 1 : kPointwisePacks;"),
                              ("constexpr int64_t kPerBlock = kPointwiseThreads * kPointwisePacks;",
