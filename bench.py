@@ -54,9 +54,10 @@ def make_inputs(shape, dtype, seed=0):
     return a.to(dtype), p.to(dtype), n.to(dtype)
 
 
-def time_interleaved(fns: dict, args, rounds: int, warmup: int):
+def time_interleaved(fns: dict, args, rounds: int, warmup: int, after_flush=None):
     """{name: [ms per round]}: each round calls every contender once, L2 flushed before each,
-    then DEVICE_LEAD_CYCLES of device sleep so the host is ahead when the start event fires."""
+    then DEVICE_LEAD_CYCLES of device sleep so the host is ahead when the start event fires.
+    after_flush: called after each flush (scripts/fixed_cost.py: a read that cleans the L2)."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         for fn in fns.values():
@@ -66,6 +67,8 @@ def time_interleaved(fns: dict, args, rounds: int, warmup: int):
     for _ in range(rounds):
         for name, fn in fns.items():
             flush.zero_()
+            if after_flush is not None:
+                after_flush()
             if DEVICE_LEAD_CYCLES:
                 torch.cuda._sleep(DEVICE_LEAD_CYCLES)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -32,26 +32,13 @@ CASES = ("32768x8192:fp32,262144x256:fp32,262144x256:bf16,65536x1024:fp32,65536x
 
 
 def time_flushed(fns, args, flush_mode, rounds=30, warmup=3):
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    clean = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn(*args)
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            flush.zero_()
-            if flush_mode == "clean":
-                clean.max()  # reads 256 MiB: evicts the dirty lines before the clock starts
-            torch.cuda._sleep(bench.DEVICE_LEAD_CYCLES)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            times[name].append((start, end))
-    torch.cuda.synchronize()
-    return {name: statistics.median(s.elapsed_time(e) for s, e in pairs)
-            for name, pairs in times.items()}
+    """{name: median ms} with bench.py's timing, after its flush or a clean one."""
+    after_flush = None
+    if flush_mode == "clean":
+        clean = torch.ones(256 << 20, dtype=torch.uint8, device="cuda")
+        after_flush = clean.max  # reads 256 MiB: evicts the dirty lines before the clock starts
+    times = bench.time_interleaved(fns, args, rounds, warmup, after_flush)
+    return {name: statistics.median(ms) for name, ms in times.items()}
 
 
 def main():
