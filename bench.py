@@ -3,17 +3,17 @@
     python bench.py                       # KernelBench level 1 problem 99: (32768, 8192) fp32
     python bench.py --shapes 4096x512,16x4194304 --dtypes fp32,bf16 --json results.json
     python bench.py --backward            # forward + backward, effective TB/s over 9 x input bytes
-    python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # issue 4's shapes
+    python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # the sweep's shapes
     python bench.py --sweep --backward --shapes 1024x128,4096x512 --json part1.json   # a part
     python bench.py --merge part1.json part2.json --json sweep.json --plot sweep.png   # no GPU
+    python bench.py --readme-table        # README's speed table, from results/h200_sweep.json
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
 flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. The
-device sleeps ~1 ms (torch.cuda._sleep) after each flush, before the start event, so the host has
-queued the whole call by the time the clock starts: the flushed times are device time, as in a
+GPU sleeps ~1 ms (torch.cuda._sleep) after each flush, before the start event, so the host has
+issued the whole call by the time the clock starts: the flushed times are GPU time, as in a
 training loop whose host runs ahead, not host launch latency (--host-latency times without the
-sleep, as bench.py did before 2026-11-29 session d). A
-fresh torch.compile per shape (torch._dynamo.reset()), so recompile limits never silently fall
+sleep). A fresh torch.compile per shape (torch._dynamo.reset()), so recompile limits never silently fall
 back to eager. Effective TB/s = bytes that must move (each input read once) / median time.
 Cases under 16 MiB of input also get a per-call time: back-to-back calls (no flush) over enough
 rotated input sets to exceed the L2, so launch and Python overhead count as users see them.
@@ -35,10 +35,12 @@ PEAK_TBPS = 4.8  # H200 HBM3e datasheet
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 DEFAULT_SHAPES = "32768x8192"
 # ~1 ms at the H200's 1.98 GHz: longer than any contender's host work per call (eager fwd+bwd
-# issues ~20 kernels), so every launch of the timed call is queued before its start event.
+# issues ~20 kernels), so every launch of the timed call is issued before its start event.
 DEVICE_LEAD_CYCLES = 2_000_000
 SWEEP_SHAPES = "1024x128,4096x512,128x4096,262144x256,65536x1024,32768x8192,16x4194304,4x16777216"
 SMALL_BYTES = 16 << 20
+RESULTS = "results/h200_sweep.json"  # the recorded sweep: README's table and plot come from it
+README_CASES = [("forward", "32768x8192"), ("fwd+bwd", "32768x8192")]
 
 
 def parse_shapes(text: str):
@@ -213,6 +215,27 @@ def print_markdown(rows):
               f"{by['torch.compile']['fused_speedup']:.2f}x |")
 
 
+def readme_table(rows):
+    """README's speed table: the KernelBench shape, forward and forward + backward, fp32 and
+    bf16, each contender's median ms and fused_triplet's speedup over it."""
+    lines = ["| pass | shape | dtype | eager | torch.compile | fused_triplet | fused TB/s |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for mode, shape in README_CASES:
+        for dtype in dict.fromkeys(r["dtype"] for r in rows):
+            by = {r["contender"]: r for r in rows if r["mode"] == mode and r["dtype"] == dtype
+                  and "x".join(map(str, r["shape"])) == shape}
+            if len(by) < 3:
+                continue
+            fused = by["fused_triplet"]
+            lines.append(
+                f"| {mode} | {shape.replace('x', ' x ')} | {dtype} | "
+                f"{by['eager']['median_ms']:.3f} ms ({by['eager']['fused_speedup']:.2f}x) | "
+                f"{by['torch.compile']['median_ms']:.3f} ms "
+                f"({by['torch.compile']['fused_speedup']:.2f}x) | "
+                f"**{fused['median_ms']:.3f} ms** | {fused['tbps']:.2f} |")
+    return "\n".join(lines)
+
+
 def merge(paths, json_path, plot_path):
     """Joins the JSON of several runs (parts of a sweep): tables, markdown, JSON and plot."""
     rows, metas = [], []
@@ -283,7 +306,13 @@ def main(argv=None) -> int:
                         help="no timing: join earlier --json outputs (tables, --json, --plot)")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of effective TB/s per case "
                         "(needs matplotlib)")
+    parser.add_argument("--readme-table", action="store_true",
+                        help=f"no timing: print README's speed table from {RESULTS}")
     args = parser.parse_args(argv)
+    if args.readme_table:
+        with open(RESULTS) as f:
+            print(readme_table(json.load(f)["results"]))
+        return 0
     if args.merge:
         return merge(args.merge, args.json, args.plot)
     if args.host_latency:
@@ -294,8 +323,10 @@ def main(argv=None) -> int:
     args.shapes = args.shapes or (SWEEP_SHAPES if args.sweep else DEFAULT_SHAPES)
     args.dtypes = args.dtypes or ("fp32,bf16" if args.sweep else "fp32")
     if not torch.cuda.is_available():
-        print("bench.py: no CUDA GPU visible; nothing to benchmark.")
-        return 0
+        print(f"bench.py: no CUDA GPU visible, so nothing to time here. The recorded H200 numbers "
+              f"are in {RESULTS} (plot: results/h200_sweep.png; README's table: "
+              "python bench.py --readme-table).", file=sys.stderr)
+        return 2
 
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "

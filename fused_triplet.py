@@ -17,6 +17,7 @@ takes a pure-torch path that computes exactly what torch does.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import math
 import os
@@ -36,10 +37,13 @@ __all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build", "exp
 
 
 def _read_kernel_sources() -> dict:
-    """{file name: text} for the headers (first) and .cu files of kernels/ beside this file;
-    {} if that folder is missing (the CPU path still works; build() says what to do)."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
-    if not os.path.isdir(folder):
+    """{file name: text} for the headers (first) and .cu files of kernels/ beside this file (or
+    fused_triplet_kernels/, as pip installs them); {} if neither is there (the CPU path still
+    works; build() says what to do)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    folders = [os.path.join(here, name) for name in ("kernels", "fused_triplet_kernels")]
+    folder = next((f for f in folders if os.path.isdir(f)), None)
+    if folder is None:
         return {}
     names = sorted(f for f in os.listdir(folder) if f.endswith(".cuh"))
     names += sorted(f for f in os.listdir(folder) if f.endswith(".cu"))
@@ -91,6 +95,20 @@ def _toolkit_problem(cuda_home) -> str | None:
     return None
 
 
+def _find_toolkit(cpp_extension):
+    """The CUDA toolkit folder to build with, and why none can (None when one can). An explicit
+    $CUDA_HOME is taken as it is; without one, the folder torch found (from the nvcc on PATH,
+    which may be a wrapper script elsewhere) and then /usr/local/cuda, /usr/local/cuda-*."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"], _toolkit_problem(os.environ["CUDA_HOME"])
+    candidates = [cpp_extension.CUDA_HOME, "/usr/local/cuda"]
+    candidates += sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for folder in candidates:
+        if folder and _toolkit_problem(folder) is None:
+            return folder, None
+    return cpp_extension.CUDA_HOME, _toolkit_problem(cpp_extension.CUDA_HOME)
+
+
 def _unwritable(path: str) -> bool:
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -118,10 +136,13 @@ def build(verbose: bool = False) -> str:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = os.path.join(root, name)
     library = os.path.join(build_dir, name + ".so")
-    problem = _toolkit_problem(cpp_extension.CUDA_HOME)
-    if problem and os.path.exists(library):  # built before, by a process that had a toolkit
+    built = os.path.join(build_dir, "fused_triplet.built")  # written once the library is whole
+    if os.path.exists(built) and os.path.exists(library):
+        # Built before for these sources and this torch: load it directly (no toolkit needed,
+        # none of load_inline's checks).
         torch.ops.load_library(library)
         return _finish_loading(library)
+    toolkit, problem = _find_toolkit(cpp_extension)
     if problem:
         raise RuntimeError(f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: "
                            f"{problem}. Set CUDA_HOME to the toolkit's folder (the one with "
@@ -133,9 +154,11 @@ def build(verbose: bool = False) -> str:
         raise RuntimeError(f"fused_triplet: cannot write the build folder {build_dir}: set "
                            "TORCH_EXTENSIONS_DIR to a writable folder")
     os.makedirs(build_dir, exist_ok=True)
+    cpp_extension.CUDA_HOME = toolkit  # load_inline reads nvcc and libcudart from here
     if not os.path.exists(library):
-        print(f"fused_triplet: compiling the CUDA kernels into {build_dir} "
-              "(once per source change, about a minute)...", file=sys.stderr, flush=True)
+        print(f"fused_triplet: compiling the CUDA kernels with {toolkit}/bin/nvcc into {build_dir}: "
+              "once per source or torch change, 2-3 minutes (later imports load the built "
+              "library)...", file=sys.stderr, flush=True)
     path = cpp_extension.load_inline(
         name=name,
         cpp_sources="",
@@ -145,6 +168,9 @@ def build(verbose: bool = False) -> str:
         is_python_module=False,
         verbose=verbose,
     )
+    with open(built + f".{os.getpid()}", "w") as f:
+        f.write(path + "\n")
+    os.replace(built + f".{os.getpid()}", built)
     return _finish_loading(path)
 
 
@@ -268,6 +294,33 @@ def _reduction_enum(size_average, reduce, reduction) -> int:
     raise ValueError(f"{reduction} is not a valid value for reduction")
 
 
+def _type_name(value) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ in ("builtins", "torch") else \
+        f"{kind.__module__}.{kind.__name__}"
+
+
+def _is_float_arg(value) -> bool:
+    """What torch's argument parser takes for a float: Python and NumPy reals, 0-d tensors."""
+    if isinstance(value, (int, float)):
+        return True
+    if isinstance(value, Tensor):
+        return value.dim() == 0
+    return type(value).__module__ == "numpy" and getattr(value, "dtype", None) is not None \
+        and value.dtype.kind in "biuf" and getattr(value, "ndim", 1) == 0
+
+
+def _check_options(margin, p, eps, swap) -> None:
+    """torch's TypeError for an option of the wrong type (margin's comparison came first)."""
+    for position, name, value in ((4, "margin", margin), (5, "p", p), (6, "eps", eps)):
+        if not _is_float_arg(value):
+            raise TypeError(f"triplet_margin_loss(): argument '{name}' (position {position}) must "
+                            f"be float, not {_type_name(value)}")
+    if not isinstance(swap, bool):
+        raise TypeError("triplet_margin_loss(): argument 'swap' (position 7) must be bool, not "
+                        f"{_type_name(swap)}")
+
+
 def _check_tensors(anchor, positive, negative) -> None:
     for position, (name, value) in enumerate(
             (("anchor", anchor), ("positive", positive), ("negative", negative)), start=1):
@@ -344,6 +397,7 @@ def triplet_margin_loss(anchor: Tensor, positive: Tensor, negative: Tensor, marg
     if margin <= 0:
         raise ValueError(f"margin must be greater than 0, got {margin}")
     _check_tensors(anchor, positive, negative)
+    _check_options(margin, p, eps, swap)
     shape = _fused_shape(anchor, positive, negative, float(p))
     if shape is not None:
         return _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps, swap,
@@ -408,10 +462,10 @@ def export(path: str) -> str:
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
         lines = f.read().splitlines(keepends=True)
     target = "KERNEL_SOURCES = _read_kernel_sources()\n"
-    if lines.count(target) != 1:
-        raise RuntimeError(f"fused_triplet.export: expected one line {target!r} in {__file__}")
-    inline = "".join(f"    {name!r}: {_python_literal(text)},\n" for name, text in KERNEL_SOURCES.items())
-    lines[lines.index(target)] = "KERNEL_SOURCES = {\n" + inline + "}\n"
+    if target in lines:  # this module beside kernels/ (an installed wheel is already one file)
+        inline = "".join(f"    {name!r}: {_python_literal(text)},\n"
+                         for name, text in KERNEL_SOURCES.items())
+        lines[lines.index(target)] = "KERNEL_SOURCES = {\n" + inline + "}\n"
     with open(path, "w", encoding="utf-8") as f:
         f.write("".join(lines))
     return path

@@ -188,7 +188,7 @@ constexpr int kBackwardUnroll = 4;
 // just read the inputs' last rows, and the backward usually runs right after it: up to the
 // L2's size of them can then come from L2, not DRAM.
 // torch.compile's backward walks up, from rows evicted long ago. No bit changes: the gradient
-// has no reduction across rows. false: in order (A/B, scripts/variants.py). Session o, fwd+bwd
+// has no reduction across rows. false: in order (A/B, scripts/variants.py). Fwd+bwd
 // ms, from the end / in order: (262144, 256) fp32 0.5878 / 0.5881 vs 0.5907, (65536, 1024) bf16
 // 0.3084 / 0.3072 vs 0.3094, (4096, 512) bf16 0.0221 / 0.0215 vs 0.0224, (32768, 8192) fp32
 // 2.2724 / 2.2723 vs 2.2739 (the L2 holds about 1.5% of the forward's bytes there).
@@ -352,11 +352,11 @@ __global__ void __launch_bounds__(kBlockThreads)
 // registers, 128-thread blocks, as Triton's pointwise backward (Inductor's, torch.compile's)
 // does. Each thread computes its own row's scales; the threads of a row load the same dists,
 // from L1. It replaced, for these inputs:
-// - small inputs (up to 16 MiB each, session h): a flat bulk-copy ring kernel that streamed
+// - small inputs (up to 16 MiB each): a flat bulk-copy ring kernel that streamed
 //   a, p, n as flat arrays through shared memory with a table of row scales; with 1-2 chunks
 //   per block its latency chain (barrier init, copies, row table, barrier) made it 1.5x slower
 //   (ncu, (4096, 512) bf16: 11.6 us against Triton's 7.7);
-// - every size (session p), once its loads were plain: the row ring (whole rows of >= 8 KiB)
+// - every size, once its loads were plain: the row ring (whole rows of >= 8 KiB)
 //   and the flat ring (the rest) both lost to it (numbers at kPointwisePlainLoads).
 // Strided rows keep the row ring (bulk) or the register-load kernel.
 constexpr int kPointwiseThreads = 128;
@@ -366,13 +366,12 @@ constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
 
 // Packs of each input per thread, block-strided (each load instruction of a warp reads 512
 // contiguous bytes). Triton's pointwise backward gives a thread 8 elements: 2 fp32 packs, 1
-// bf16 pack; ncu at (4096, 512) had our warps waiting longer on memory than Triton's (session
-// i). A thread issues the input loads of all its packs before it uses any. Session o, fwd+bwd
-// ms, 2 packs vs 1: (4096, 512) bf16 0.0208 vs 0.0221 / 0.0215 (compile 0.0206), fp32 0.0305
+// bf16 pack; ncu at (4096, 512) had our warps waiting longer on memory than Triton's. A thread
+// issues the input loads of all its packs before it uses any. Fwd+bwd ms, 2 packs vs 1: (4096, 512) bf16 0.0208 vs 0.0221 / 0.0215 (compile 0.0206), fp32 0.0305
 // vs 0.0308 (compile 0.0292).
 constexpr int kPointwisePacks = 2;
 // Plain loads (load_plain16), not the read-only no-allocate path the other kernels take.
-// Session p, fwd+bwd ms with this kernel up to 1 GiB per input: (32768, 8192) fp32 2.2497 /
+// Fwd+bwd ms with this kernel up to 1 GiB per input: (32768, 8192) fp32 2.2497 /
 // 2.2499 against 2.2980 with no-allocate loads (the ring backward 2.2731-2.2737, torch.compile
 // 2.2557); (262144, 256) fp32 0.5795 against 0.5920 (flat ring 0.5881-0.5886, compile 0.5787).
 // Plain loads in the ring kernels and the forward changed nothing there (2.2734).
@@ -388,7 +387,7 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   constexpr int kP = kPointwisePacks;
   // The grid covers every pack once (the host sizes it): no grid-stride loop. Blocks in order,
   // as Inductor's: from the end (kBackwardFromEnd, the ring kernels' walk) was slower once the
-  // loads were plain. Session q, fwd+bwd ms, in order vs from the end: (32768, 8192) fp32
+  // loads were plain. Fwd+bwd ms, in order vs from the end: (32768, 8192) fp32
   // 2.2381 vs 2.2493 / 2.2497, bf16 1.1319 vs 1.1336 / 1.1337; (262144, 256) fp32 0.5790 vs
   // 0.5799, bf16 0.3038 vs 0.3049 / 0.3044; (4, 16777216) fp32 0.5821 vs 0.5829 / 0.5821;
   // (65536, 1024) fp32 0.5756 vs 0.5737 / 0.5739.

@@ -289,7 +289,7 @@ struct RowConfig {
 //   Both constants began as guesses (scripts/variants.py has split_* variants).
 //   kSplitBlocks = 512: the slices per row aim at half of kFillBlocks, fewer and longer slices
 //   whose bulk-copy rings stream longer per block: (4, 16777216) bf16 forward 0.1122 ms against
-//   0.1177 at 1024 (2048: 0.1324, 4096: 0.1521; torch.compile 0.1162; H200, sessions l-m).
+//   0.1177 at 1024 (2048: 0.1324, 4096: 0.1521; torch.compile 0.1162; H200).
 constexpr int64_t kFillBlocks = 1024;
 constexpr int64_t kSplitBlocks = 512;
 constexpr int64_t kMinSliceBytes = 32 * 1024;
@@ -302,9 +302,9 @@ inline RowConfig choose_row_config(int64_t rows, int64_t dim, int64_t elem_size)
   //   <= 64 packs (1 KiB of fp32): 8 threads; <= 512 packs (8 KiB): a warp; else the block.
   // A team of 8 takes at most 8 packs per thread: at 16, (65536, 1024) bf16 (128 packs, 2048
   // blocks of 32 rows) ran its forward at 0.1164 ms against 0.1088 with a warp per row
-  // (torch.compile 0.1084; H200, session j; scripts/variants.py team8_16packs is the old rule).
+  // (torch.compile 0.1084; H200).
   // A warp still takes up to 16: capping it at 8 (4-8 KiB rows to whole blocks, variant
-  // tpr_8packs_warp) was far slower, (65536, 2048) fp32 0.5814 ms against 0.3910 (session k).
+  // tpr_8packs_warp) was far slower, (65536, 2048) fp32 0.5814 ms against 0.3910.
   RowConfig cfg;
   cfg.threads_per_row = packs <= 8 * 8 ? 8 : (packs <= 32 * 16 ? 32 : kBlockThreads);
   auto groups = [&](int tpr) { return (rows + kBlockThreads / tpr - 1) / (kBlockThreads / tpr); };
@@ -383,10 +383,10 @@ constexpr int kBulkMinRowBytes = 8192;  // shorter rows: too few copies to be wo
 // chunks of whole rows, for rows of 1 KiB (8 per chunk, a warp each) or 4 KiB (2 per chunk, 4
 // warps each), from kRowsRingMinBytes per input (smaller inputs keep the team kernel's plain
 // loads: each block would fill its ring for one or two chunks). Rows of 1-4 KiB ran at 3.99-4.06
-// TB/s with plain loads (H200, fp32 forward, session m) against the long-row ring's 4.58. This
-// ring vs the team kernel (H200, session n, forward ms): (262144, 256) fp32 0.1943 vs 0.2016,
+// TB/s with plain loads (H200, fp32 forward) against the long-row ring's 4.58. This
+// ring vs the team kernel (H200, forward ms): (262144, 256) fp32 0.1943 vs 0.2016,
 // (65536, 1024) fp32 0.1909 vs 0.1985, (131072, 512) bf16 0.1082 vs 0.1097 (torch.compile
-// 0.1968 / 0.1936 / 0.1094). But session o: slower at 16 and 64 MiB per input, (16384, 256)
+// 0.1968 / 0.1936 / 0.1094). But slower at 16 and 64 MiB per input, (16384, 256)
 // fp32 0.0236 vs 0.0211, (65536, 256) fp32 0.0601 vs 0.0587, (16384, 1024) fp32 0.0603 vs
 // 0.0586: the ring starts from 128 MiB per input (won at 128 MiB bf16, lost at 64 MiB fp32).
 constexpr bool kRowsRing = true;  // false: the team kernel (A/B)
@@ -545,7 +545,7 @@ inline bool use_bulk_kernel(const RowConfig& cfg, int64_t dim, int64_t elem_size
 // grid has finished and its writes are visible: same order, same results, less gap. Both are
 // no-ops when the launch did not ask for it and compile to nothing before sm_90.
 // kChainFollowUps: H200 forward 'mean', chained vs not: (128, 4096) fp32 0.0093 vs 0.0108 ms,
-// bf16 0.0091 vs 0.0100, (1024, 128) fp32 0.0069 vs 0.0084 (session m; variant unchain_follow_ups).
+// bf16 0.0091 vs 0.0100, (1024, 128) fp32 0.0069 vs 0.0084 (variant unchain_follow_ups).
 constexpr bool kChainFollowUps = true;
 
 __device__ __forceinline__ void allow_follow_up() {

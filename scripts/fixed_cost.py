@@ -1,4 +1,4 @@
-"""Split a forward's device time into a per-byte part and a fixed part, and measure how much of
+"""Split a forward's GPU time into a per-byte part and a fixed part, and measure how much of
 the fixed part is the L2 flush's dirty lines. A diagnosis aid, not part of the library.
 
     python scripts/fixed_cost.py [--cases 262144x256:bf16,...] [--scales 1,4] [--compile]

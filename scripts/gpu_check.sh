@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# What we run on the GPU machine before resolving an issue: build, benchmark, full test suite.
-# Logs go to $OUT (the device tool's output folder) or ./gpu_logs.
+# Build, benchmark and run the test suite on a machine with a GPU.
+# Logs go to $LOG_DIR (default ./gpu_logs).
 #   bash scripts/gpu_check.sh [bench args...]
 set -uo pipefail
-out="${OUT:-gpu_logs}"; mkdir -p "$out"
+out="${LOG_DIR:-gpu_logs}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv | tee "$out/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' | tee -a "$out/gpu.txt"

@@ -4,10 +4,10 @@ slow bench.py row spends its time in. A diagnosis aid, not part of the library.
     python scripts/profile_case.py [--shape 65536x1024] [--dtype bf16] [--forward-only]
         [--contender fused|compile|eager] [--rounds 10] [--timeline]
 
-Prints torch.profiler's table of CUDA kernels (total and per-call device time) over `rounds`
+Prints torch.profiler's table of CUDA kernels (total and per-call GPU time) over `rounds`
 steps after a warm-up, with the L2 flushed before each step as bench.py does. --timeline: the
 device sleeps 5 ms before each step so the host is ahead, and one step's kernels are listed in
-order with their median durations and the idle gaps between them (what bench.py's device time
+order with their median durations and the idle gaps between them (what bench.py's GPU time
 adds up; for comparing the kernels of two contenders one for one).
 """
 
@@ -63,7 +63,7 @@ def main():
         for _ in range(args.rounds):
             flush.zero_()
             if args.timeline:
-                torch.cuda._sleep(10_000_000)  # the host queues the whole step meanwhile
+                torch.cuda._sleep(10_000_000)  # the host issues the whole step meanwhile
             step()
         flush.zero_()  # ends the last step's kernel list
         torch.cuda.synchronize()

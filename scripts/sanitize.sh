@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs scripts/sanitize_driver.py under compute-sanitizer's memcheck, racecheck, initcheck and
-# synccheck; prints each tool's summary line. Logs go to $OUT (the device tool's folder) or
-# ./gpu_logs. Exit status: non-zero if any tool reported an error.
+# synccheck; prints each tool's summary line. Logs go to $LOG_DIR (default ./gpu_logs).
+# Exit status: non-zero if any tool reported an error.
 set -uo pipefail
-out="${OUT:-gpu_logs}"; mkdir -p "$out"
+out="${LOG_DIR:-gpu_logs}"; mkdir -p "$out"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/fused_triplet_ext}"
 sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
 python3 fused_triplet.py --build > "$out/sanitize_build.log" 2>&1 || exit 1

@@ -148,6 +148,27 @@ def test_non_tensor_argument_is_type_error():
         ft.triplet_margin_loss(a, p, n.tolist())
 
 
+@pytest.mark.parametrize("name", ["margin", "p", "eps", "swap"])
+def test_option_types_as_torch(name):
+    """Each option takes what torch's argument parser takes and rejects the rest with torch's
+    TypeError (margin's `<= 0` check comes first, as in torch)."""
+    import numpy as np
+    a, p, n = rand_triplet((4, 5), seed=3)
+    values = ["x", None, [1.0], 1j, True, 2, np.float32(1.5), np.float64(1.5), np.int64(2),
+              np.bool_(True), torch.tensor(1.5), torch.tensor([1.5])]
+    for value in values:
+        kw = {name: value}
+        try:
+            expected = F.triplet_margin_loss(a, p, n, **kw)
+        except Exception:
+            same_error(lambda: ft.triplet_margin_loss(a, p, n, **kw),
+                       lambda: F.triplet_margin_loss(a, p, n, **kw))
+            same_error(lambda: ft.TripletMarginLoss(**kw)(a, p, n),
+                       lambda: torch.nn.TripletMarginLoss(**kw)(a, p, n))
+            continue
+        check(ft.triplet_margin_loss(a, p, n, **kw), expected)
+
+
 # ---- modules ------------------------------------------------------------------------------------
 
 def test_module_matches_torch():

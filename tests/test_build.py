@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
+import fused_triplet as ft
 from conftest import ROOT
 
+TOOLKIT, TOOLKIT_PROBLEM = ft._find_toolkit(cpp_extension)
 needs_nvcc = pytest.mark.skipif(
-    cpp_extension.CUDA_HOME is None or not os.path.exists(
-        os.path.join(cpp_extension.CUDA_HOME or "", "bin", "nvcc")),
-    reason="no CUDA toolkit found (set CUDA_HOME to the toolkit folder)")
+    TOOLKIT_PROBLEM is not None,
+    reason=f"cannot compile the CUDA kernels: {TOOLKIT_PROBLEM} (set CUDA_HOME to the toolkit)")
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,15 @@ def build_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def build_log(build_env, tmp_path_factory):
+def build_log(build_env, tmp_path_factory, pytestconfig):
     """Two processes build at once into one empty extension dir (a scratch one): both must
     succeed (torch's lock file serialises them). In subprocesses, since loading the library
     registers the fused_triplet op namespace, which a process can do only once. Their output
     goes to files: a full pipe would block the builder the other one waits for."""
+    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"tests/test_build.py: compiling the CUDA kernels with {TOOLKIT} "
+                            "(2-3 minutes)...")
     logs_dir = tmp_path_factory.mktemp("logs")
     builders = []
     for k in range(2):

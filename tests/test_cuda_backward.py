@@ -102,7 +102,7 @@ def test_other_dtypes_close_to_fp64(dtype):
 
 # Contiguous rows that are 16-byte multiples, p = 2 or 1, take the pointwise backward (any GPU,
 # up to 2^31 packs per input): whole rows of >= 8 KiB (1500 x 3000 in fp32 and fp64: the row
-# ring's shape before session p; the last 4 KiB chunk a part one), 16-byte rows (8 elements:
+# ring's shape before; the last 4 KiB chunk a part one), 16-byte rows (8 elements:
 # hundreds of rows per block), rows that cross blocks (16384 x 300), few long rows
 # (3 x 1500000, split in forward), rows that are few and long, 16 bytes, not a multiple of the
 # 128-thread block, a single row.

@@ -1,0 +1,22 @@
+"""examples/quickstart.ipynb runs top to bottom (its GPU cells skip without a GPU)."""
+
+import os
+
+import pytest
+
+from conftest import ROOT
+
+nbclient = pytest.importorskip("nbclient", reason="nbclient not installed (pip install -e .[test])")
+nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (pip install -e .[test])")
+
+
+def test_quickstart_notebook_runs():
+    folder = os.path.join(ROOT, "examples")
+    notebook = nbformat.read(os.path.join(folder, "quickstart.ipynb"), as_version=4)
+    # A GPU's first cell compiles the kernels (minutes): a generous per-cell timeout.
+    nbclient.NotebookClient(notebook, timeout=1200, kernel_name="python3",
+                            resources={"metadata": {"path": folder}}).execute()
+    outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for out in cell.get("outputs", []))
+    assert "CPU: loss and gradients match torch's" in outputs
+    assert "32768 x 8192" in outputs
