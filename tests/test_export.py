@@ -92,8 +92,8 @@ def test_exported_sources_equal_package_sources(exported):
 
 
 CHILD = r"""
-import importlib.util, sys, torch
-assert importlib.util.find_spec("fused_triplet") is None, "the project must not be importable"
+import sys, torch
+sys.modules["fused_triplet"] = None  # the package may be installed: any import of it now fails
 path, out, device = sys.argv[1], sys.argv[2], sys.argv[3]
 namespace = {}
 exec(compile(open(path).read(), path, "exec"), namespace)   # as KernelBench loads a submission
