@@ -115,9 +115,6 @@ def _unwritable(path: str) -> bool:
     return not (os.path.isdir(path) and os.access(path, os.W_OK))
 
 
-# torch.compile runs this at trace time and keeps the result (a first call inside a compiled
-# function loads the ops instead of tracing the build).
-@torch.compiler.assume_constant_result
 def build(verbose: bool = False) -> str:
     """Compile (the first time only) and load the CUDA ops; returns the shared library's path.
 
@@ -172,6 +169,12 @@ def build(verbose: bool = False) -> str:
         f.write(path + "\n")
     os.replace(built + f".{os.getpid()}", built)
     return _finish_loading(path)
+
+
+# torch.compile runs build() at trace time and keeps the result (a first call inside a compiled
+# function loads the ops instead of tracing the build): the mark torch.compiler.
+# assume_constant_result sets, set here without importing Dynamo (seconds at import).
+build._dynamo_marked_constant = True
 
 
 def _finish_loading(path: str) -> str:

@@ -204,6 +204,16 @@ def test_cuda_source_is_one_translation_unit():
     assert list(ft.KERNEL_SOURCES)[0].endswith(".cuh")
 
 
+def test_build_is_marked_constant_as_torch_compile_marks_it():
+    """build() carries torch.compiler.assume_constant_result's mark (set without importing
+    Dynamo, which costs seconds at import): the mark is still the one that API sets."""
+    def probe():
+        return 0
+    marked = torch.compiler.assume_constant_result(probe)
+    assert {k: v for k, v in vars(marked).items()} == {"_dynamo_marked_constant": True}
+    assert ft.build._dynamo_marked_constant is True
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_hinge_probe_works_with_autograd_off(mode):
     """The library loads on first CUDA use, which may come under no_grad or inference_mode: the
