@@ -465,7 +465,7 @@ def export(path: str) -> str:
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
         lines = f.read().splitlines(keepends=True)
     target = "KERNEL_SOURCES = _read_kernel_sources()\n"
-    if target in lines:  # this module beside kernels/ (an installed wheel is already one file)
+    if target in lines:  # not itself an export, whose sources are inline already
         inline = "".join(f"    {name!r}: {_python_literal(text)},\n"
                          for name, text in KERNEL_SOURCES.items())
         lines[lines.index(target)] = "KERNEL_SOURCES = {\n" + inline + "}\n"
