@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import inspect
 import math
 import os
 import sys
@@ -30,14 +31,14 @@ from torch import Tensor
 __all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build", "export"]
 
 # ---------------------------------------------------------------------------------------------
-# Kernel sources: kernels/*.cuh (shared helpers) then kernels/*.cu, read at import. An exported
-# single file (export() below) holds them inline instead, as a dict literal on the line
-# `KERNEL_SOURCES = ...`.
+# Kernel sources: every file of kernels/, read at import: the .cu files (and the headers they
+# include) go to nvcc, the .cpp files (and theirs) to the host compiler. An exported single file
+# (export() below) holds them inline instead, as a dict literal on the line `KERNEL_SOURCES = ...`.
 # ---------------------------------------------------------------------------------------------
 
 
 def _read_kernel_sources() -> dict:
-    """{file name: text} for the headers (first) and .cu files of kernels/ beside this file (or
+    """{file name: text} for the files of kernels/ beside this file (or
     fused_triplet_kernels/, as pip installs them); {} if neither is there (the CPU path still
     works; build() says what to do)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -45,8 +46,7 @@ def _read_kernel_sources() -> dict:
     folder = next((f for f in folders if os.path.isdir(f)), None)
     if folder is None:
         return {}
-    names = sorted(f for f in os.listdir(folder) if f.endswith(".cuh"))
-    names += sorted(f for f in os.listdir(folder) if f.endswith(".cu"))
+    names = sorted(f for f in os.listdir(folder) if f.endswith((".h", ".cuh", ".cu", ".cpp")))
     sources = {}
     for name in names:
         with open(os.path.join(folder, name), encoding="utf-8") as f:
@@ -57,14 +57,26 @@ def _read_kernel_sources() -> dict:
 KERNEL_SOURCES = _read_kernel_sources()
 
 
+def _expand(name: str) -> str:
+    """A source file with each local #include "x" replaced by x's text (headers keep their
+    include guards), so the sources can be compiled from strings."""
+    lines = []
+    for line in KERNEL_SOURCES[name].splitlines():
+        if line.lstrip().startswith('#include "'):
+            lines.append(_expand(line.split('"')[1]))
+        else:
+            lines.append(line)
+    return f"// ---- {name}\n" + "\n".join(lines) + "\n"
+
+
 def cuda_source() -> str:
-    """All kernel files as one translation unit (their local #include "..." lines dropped: the
-    headers come first)."""
-    parts = []
-    for name, text in KERNEL_SOURCES.items():
-        lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith('#include "')]
-        parts.append(f"// ---- {name}\n" + "\n".join(lines))
-    return "\n".join(parts) + "\n"
+    """What nvcc compiles: the .cu files with their headers (no torch headers)."""
+    return "".join(_expand(n) for n in KERNEL_SOURCES if n.endswith(".cu"))
+
+
+def cpp_source() -> str:
+    """What the host compiler compiles: the torch-facing .cpp files with their headers."""
+    return "".join(_expand(n) for n in KERNEL_SOURCES if n.endswith(".cpp"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,13 +85,19 @@ def cuda_source() -> str:
 # torch) builds anew and an unchanged one loads the cached library.
 # ---------------------------------------------------------------------------------------------
 
-NVCC_FLAGS = ["-O3", "-lineinfo", "-Xptxas=-v"]
+CXX_FLAGS = ["-O2"]
 _library_path = None
+
+
+def _nvcc_flags() -> list:
+    # FUSED_TRIPLET_PTXAS_VERBOSE=1: ptxas reports registers and spills (tests/test_build.py).
+    verbose = ["-Xptxas=-v"] if os.environ.get("FUSED_TRIPLET_PTXAS_VERBOSE") == "1" else []
+    return ["-O3", "-lineinfo"] + verbose
 
 
 def _extension_name() -> str:
     # torch's version too: a library built against another torch must not be loaded.
-    key = cuda_source() + " ".join(NVCC_FLAGS) + torch.__version__
+    key = cuda_source() + cpp_source() + " ".join(_nvcc_flags() + CXX_FLAGS) + torch.__version__
     return "fused_triplet_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -154,16 +172,20 @@ def build(verbose: bool = False) -> str:
     cpp_extension.CUDA_HOME = toolkit  # load_inline reads nvcc and libcudart from here
     if not os.path.exists(library):
         print(f"fused_triplet: compiling the CUDA kernels with {toolkit}/bin/nvcc into {build_dir}: "
-              "once per source or torch change, 2-3 minutes (later imports load the built "
+              "once per source or torch change, under a minute (later imports load the built "
               "library)...", file=sys.stderr, flush=True)
+    # Only the headers each side includes itself (torch's implicit ones cost most of the build).
+    implicit = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
     path = cpp_extension.load_inline(
         name=name,
-        cpp_sources="",
+        cpp_sources=cpp_source(),
         cuda_sources=cuda_source(),
-        extra_cuda_cflags=NVCC_FLAGS,
+        extra_cflags=CXX_FLAGS,
+        extra_cuda_cflags=_nvcc_flags(),
         build_directory=build_dir,
         is_python_module=False,
         verbose=verbose,
+        **({"no_implicit_headers": True} if implicit else {}),
     )
     with open(built + f".{os.getpid()}", "w") as f:
         f.write(path + "\n")
@@ -187,7 +209,7 @@ def _finish_loading(path: str) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Op registration: the schemas, CUDA kernels and the forward's autograd (whose backward is the
-# fused backward op) live in C++ (kernels/register_ops.cu, kernels/triplet_autograd.cu); the
+# fused backward op) live in C++ (kernels/triplet_ops.cpp); the
 # fake kernels (shapes and dtypes only, for torch.compile and FakeTensor) and the clamp_min
 # convention the backward follows are registered here once the library is loaded.
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ timed one after another on the GPU against torch.compile. A tuning aid, not part
                                [--margin 1.0] [--swap]  # margin 0.001: about half the hinges
                                                         # inactive
 
-`--only base,tree=.ab/main` times this checkout's kernels against another checkout's.
+`--only base,tree=/path/to/other/checkout` times this checkout's kernels against another's.
 """
 
 import argparse
@@ -18,82 +18,38 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
+RING = "family = long_rows && !forward_family_unfit(pr, ForwardFamily::kRing)"
+CHUNK = "constexpr int kRingChunkBytes = 8192;"
+STAGES = "constexpr int kRingStages = 4;"
 UNROLL = "constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;"
-TPR_RULE = "packs <= 32 * 16 ? 32 : kBlockThreads);"
-TPR_RULE_FULL = "packs <= 8 * 8 ? 8 : (" + TPR_RULE  # both team thresholds
-TPR_DEFAULT = "default: with_swap(k, std::integral_constant<int, kBlockThreads>{});"
-GRID = "std::min<int64_t>(row_groups, int64_t(1) << 20)"
-BLOCK = "constexpr int kBlockThreads = 256;"
-
-BULK = "return vectorized && cfg.threads_per_row == kBlockThreads &&"
-BULK_LOOP = ("ring.chunks.chunk_elems(sp, col) / kVec);\n"
-             "      for (int v = threadIdx.x; v < packs; v += kBlockThreads) {")
-STAGES = "constexpr int kForwardStages = 4;"
-CHUNK = "constexpr int kForwardChunkBytes = sizeof(T) < 4 && !kSplitRows ? 4096 : 8192;"
-BWD_STAGES = "constexpr int kBackwardStages = 4;"
-BWD_CHUNK = "constexpr int kBackwardChunkBytes = 4096;"
-TEAM_FILL = "constexpr int64_t kTeamFillBlocks = kFillBlocks;"
-PW_MAX = "constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;"
-PW_BLOCK = "const uint32_t block = blockIdx.x;"
-PW_PACKS = "constexpr int kPointwisePacks = 2;"
-CS_STORE = "__stcs(reinterpret_cast<uint4*>(ptr), raw);"
-L2_SCALE = "return d == A(0) ? A(0) : scale_div(g, d);"
-FILL = "constexpr int64_t kFillBlocks = 1024;"
-SLICE = "constexpr int64_t kMinSliceBytes = 32 * 1024;"
-ROWS_RING_MIN = "constexpr int64_t kRowsRingMinBytes = int64_t(128) << 20;"
-ROWS_RING_16M = (ROWS_RING_MIN, ROWS_RING_MIN.replace("int64_t(128) << 20", "int64_t(16) << 20"))
-
+ROWS_BLOCKS = "constexpr int kRowsMinBlocks = kTPR == 0 ? 2 : std::is_same<T, __half>::value ? 3 : 4;"
 SPLIT_BLOCKS = "constexpr int64_t kSplitBlocks = 512;"
+FILL = "constexpr int64_t kFillBlocks = 1024;"
+PW_PACKS = "constexpr int kPointwisePacks = 2;"
 
 VARIANTS = {
     "base": [],
-    # Forward: register loads instead of the copy-engine ring, ring shapes, team and split rules.
-    "nobulk": [(BULK, "return false &&")],
-    "bulk_16k_x2": [(CHUNK, CHUNK.replace("8192", "16384")), (STAGES, STAGES.replace("4", "2"))],
-    "bulk_4k_x8": [(CHUNK, CHUNK.replace("8192", "4096")), (STAGES, STAGES.replace("4", "8"))],
-    "bulk_8k_x6": [(STAGES, STAGES.replace("4", "6"))],
-    "bulk_4k_x4": [(CHUNK, CHUNK.replace("8192", "4096"))],
-    "fwd_chunk_8k_all": [(CHUNK, CHUNK.replace("4096", "8192"))],
-    "bulk_persist2": [(GRID, "std::min<int64_t>(row_groups, 132 * 2)")],
-    "split_fill512": [(FILL, FILL.replace("1024", "512"))],
+    "no_ring": [(RING, "family = false && long_rows")],  # register loads for long rows too
+    "ring_chunk_4k": [(CHUNK, CHUNK.replace("8192", "4096"))],
+    "ring_stages_6": [(STAGES, STAGES.replace("4", "6"))],
+    "fwd_unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
+    "rows_3_blocks": [(ROWS_BLOCKS, ROWS_BLOCKS.replace("? 3 : 4;", "? 3 : 3;"))],
     "split_blocks1024": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "1024"))],
     "split_blocks256": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "256"))],
-    "split_slice8k": [(SLICE, SLICE.replace("32 * 1024", "8 * 1024"))],
-    "split_ldg": [("          if (bulk) {\n            launch_forward_bulk",
-                   "          if (false) {\n            launch_forward_bulk")],
-    "no_rows_ring": [("constexpr bool kRowsRing = true;", "constexpr bool kRowsRing = false;")],
-    "rows_ring_min16m": [ROWS_RING_16M],
-    "team_by_length": [(TEAM_FILL, TEAM_FILL.replace("kFillBlocks;", "0;"))],
-    "team8_16packs": [(TPR_RULE_FULL, TPR_RULE_FULL.replace("8 * 8", "8 * 16"))],
-    "fwd_unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
-    "unchain_follow_ups": [("constexpr bool kChainFollowUps = true;",
-                            "constexpr bool kChainFollowUps = false;")],
-    # Loads and stores.
-    "plain_loads": [(LOAD, "ld.global.v4.u32")],
-    "cs_stores": [("constexpr bool kPlainStores = true;", "constexpr bool kPlainStores = false;")],
-    # Backward (time with --backward).
-    "bwd_ring_4k_x6": [(BWD_STAGES, BWD_STAGES.replace("4", "6"))],
-    "bwd_ring_8k_x4": [(BWD_CHUNK, BWD_CHUNK.replace("4096", "8192"))],
-    "bwd_pointwise_max16m": [(PW_MAX, PW_MAX.replace("int64_t(1) << 31", "int64_t(1) << 20"))],
-    "pointwise_from_end": [(PW_BLOCK, "const uint32_t block = gridDim.x - 1 - blockIdx.x;")],
-    "pointwise_nc_loads": [("constexpr bool kPointwisePlainLoads = true;",
-                            "constexpr bool kPointwisePlainLoads = false;")],
-    "backward_in_order": [("constexpr bool kBackwardFromEnd = true;",
-                           "constexpr bool kBackwardFromEnd = false;")],
+    "fill_512": [(FILL, FILL.replace("1024", "512"))],
     "bwd_pointwise_x1": [(PW_PACKS, PW_PACKS.replace("2;", "1;"))],
     "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("2;", "4;"))],
-    "div_always": [("return (g == A(0) && x > A(0)) ? g : g / x;", "return g / x;")],
 }
 
 
 def apply(name):
     """Builds variant `name`: VARIANTS' edits of the kernel sources, or `tree=DIR`: the kernel
-    sources of another checkout (e.g. `git archive main | tar -x -C .ab/main`, for A/B)."""
+    sources of another checkout (scripts/ab.py times two checkouts in one process)."""
     import fused_triplet as ft
     if name.startswith("tree="):
         folder = os.path.join(name.split("=", 1)[1], "kernels")
-        for k in ft.KERNEL_SOURCES:
+        ft.KERNEL_SOURCES.clear()
+        for k in sorted(os.listdir(folder)):
             with open(os.path.join(folder, k), encoding="utf-8") as f:
                 ft.KERNEL_SOURCES[k] = f.read()
         ft.build()

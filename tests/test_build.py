@@ -1,4 +1,5 @@
-"""The CUDA module compiles (a GPU is not needed) and ptxas reports no spills and no stack."""
+"""The CUDA module compiles (a GPU is not needed): at most 100 kernel functions per architecture,
+no spills and no stack (ptxas -v), and a built library loads without a toolkit."""
 
 import os
 import re
@@ -20,7 +21,8 @@ needs_nvcc = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def build_env(tmp_path_factory):
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("ext")))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path_factory.mktemp("ext")),
+               FUSED_TRIPLET_PTXAS_VERBOSE="1")
     if not torch.cuda.is_available():
         env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     return env
@@ -95,9 +97,13 @@ def test_cuda_module_compiles(build_log):
 
 
 @needs_nvcc
-def test_no_spills_and_no_stack(build_log):
-    kernels = re.findall(r"Compiling entry function '(\w+)'", build_log)
-    assert len(kernels) >= 96, f"expected every kernel instantiation, ptxas reported {len(kernels)}"
+def test_few_kernels_no_spills_and_no_stack(build_log):
+    kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", build_log)
+    archs = {arch for _, arch in kernels}
+    assert archs, "ptxas reported no kernels"
+    for arch in archs:
+        count = sum(1 for _, a in kernels if a == arch)
+        assert 40 <= count <= 100, f"{count} kernel functions for {arch}"
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                        build_log)
     assert len(props) >= len(kernels)

@@ -96,9 +96,8 @@ def check_reductions_and_fallbacks(a, p, n, pnorm, pad):
                                     distance_scale(*args, pnorm, 1e-6, True))
 
 
-# Fewer than 512 rows of more than 32 KiB: rows cut into column slices, one block each, then a
-# second kernel combining them (16-byte aligned rows, odd rows on the scalar path, one row;
-# (2, 20008): aligned rows whose last slice ends in a part chunk of the bulk ring).
+# Few long rows, which the plan cuts into column slices combined by the finishing kernel:
+# aligned rows, odd rows (scalar path), one row, a last slice shorter than a ring chunk.
 SPLIT_SHAPES = [(4, 65536), (300, 9000), (3, 100003), (1, 1 << 20), (2, 20008)]
 
 
@@ -110,17 +109,15 @@ def test_split_rows(shape, dtype, pnorm):
     check_reductions_and_fallbacks(a, p, n, pnorm, pad=4)  # the fallbacks are split too
 
 
-# Many contiguous rows of exactly 1 KiB or 4 KiB, >= 128 MiB per input: on sm_90 the short-rows
-# ring (8 KiB chunks of 8 or 2 whole rows; the last chunk here holds fewer, 8 chunks per block).
-# Broadcast and row-stride inputs of the same shapes keep the team kernel.
-RING_SHAPES = [((131077, 256), torch.float32), ((32771, 1024), torch.float32),
+# Many short rows, >= 128 MiB per input, every dtype; with broadcast and row-stride inputs.
+MANY_ROWS_SHAPES = [((131077, 256), torch.float32), ((32771, 1024), torch.float32),
                ((131075, 512), torch.float16), ((131073, 512), torch.bfloat16),
                ((32769, 2048), torch.bfloat16), ((131073, 128), torch.float64)]
 
 
-@pytest.mark.parametrize("shape,dtype", RING_SHAPES)
+@pytest.mark.parametrize("shape,dtype", MANY_ROWS_SHAPES)
 @pytest.mark.parametrize("pnorm", [2.0, 1.0, math.inf, 3.0])
-def test_short_rows_ring(shape, dtype, pnorm):
+def test_many_short_rows(shape, dtype, pnorm):
     a, p, n = rand_triplet(shape, dtype=dtype, device=DEV, seed=41)
     check_reductions_and_fallbacks(a, p, n, pnorm, pad=8)
 
@@ -391,3 +388,48 @@ def test_module_and_model_new_on_cuda():
         torch.testing.assert_close(ft.TripletMarginLoss(**kw)(a, p, n),
                                    torch.nn.TripletMarginLoss(**kw)(a, p, n), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ft.ModelNew(1.0)(a, p, n), torch.nn.TripletMarginLoss()(a, p, n))
+
+
+# Distances in the thousands minus each other leave a small loss: fp32 inputs are summed in
+# double and the loss taken from double distances, so ours is within rounding of the loss of
+# the fp32 differences x - y + eps (torch's elements) and at least as close to float64 as torch.
+ACCURACY_CASES = [  # (make inputs, options)
+    (lambda g: [torch.rand(8192, 3, generator=g, device=DEV).t() for _ in range(3)],
+     dict(p=1.0, reduction="mean")),
+    (lambda g: [torch.rand(4097, generator=g, device=DEV) for _ in range(3)],
+     dict(p=0.5, eps=0.0, reduction="mean")),
+    (lambda g: [torch.rand(16, 100000, generator=g, device=DEV) for _ in range(3)],
+     dict(p=2.0, reduction="none")),
+    (lambda g: [torch.rand(2, 3000000, generator=g, device=DEV) for _ in range(3)],
+     dict(p=1.0, reduction="sum", swap=True)),
+]
+
+
+def loss_of_fp32_differences(a, p, n, margin=1.0, p_norm=2.0, eps=1e-6, swap=False,
+                             reduction="mean"):
+    def dist(x, y):
+        return torch.linalg.vector_norm((x - y + eps).double(), p_norm, dim=-1)
+    d_neg = dist(a, n)
+    if swap:
+        d_neg = torch.minimum(d_neg, dist(p, n))
+    loss = (margin + dist(a, p) - d_neg).clamp_min(0)
+    return {"none": loss, "mean": loss.mean(), "sum": loss.sum()}[reduction]
+
+
+@pytest.mark.parametrize("case", range(len(ACCURACY_CASES)))
+def test_fp32_at_least_as_accurate_as_torch(case):
+    make, kw = ACCURACY_CASES[case]
+    worst_ours = worst_torch = 0.0
+    for seed in range(5):
+        a, p, n = make(torch.Generator(device=DEV).manual_seed(seed))
+        ours = fused(a, p, n, **kw).double()
+        theirs = F.triplet_margin_loss(a, p, n, **kw).double()
+        ref = F.triplet_margin_loss(a.double(), p.double(), n.double(), **kw)
+        opts = dict(p_norm=kw.get("p", 2.0), eps=kw.get("eps", 1e-6), swap=kw.get("swap", False),
+                    reduction=kw["reduction"])
+        best = loss_of_fp32_differences(a, p, n, **opts)
+        scale = 1 + ref.abs()
+        assert ((ours - best).abs() / scale).max().item() <= 2 ** -22, seed  # a rounding or two
+        worst_ours = max(worst_ours, ((ours - ref).abs() / scale).max().item())
+        worst_torch = max(worst_torch, ((theirs - ref).abs() / scale).max().item())
+    assert worst_ours <= worst_torch, (worst_ours, worst_torch)

@@ -100,28 +100,22 @@ def test_other_dtypes_close_to_fp64(dtype):
             assert (x.double() - r).abs().max() <= (t.double() - r).abs().max() * 1.01 + 1e-7
 
 
-# Contiguous rows that are 16-byte multiples, p = 2 or 1, take the pointwise backward (any GPU,
-# up to 2^31 packs per input): whole rows of >= 8 KiB (1500 x 3000 in fp32 and fp64: the row
-# ring's shape before; the last 4 KiB chunk a part one), 16-byte rows (8 elements:
-# hundreds of rows per block), rows that cross blocks (16384 x 300), few long rows
-# (3 x 1500000, split in forward), rows that are few and long, 16 bytes, not a multiple of the
-# 128-thread block, a single row.
+# Aligned rows, p = 2 or 1: long rows, 16-byte rows (hundreds per block), rows that cross
+# blocks (16384 x 300), few long rows (3 x 1500000, split in forward), a single row.
 POINTWISE_SHAPES = [(1500, 3000), (1100000, 8), (16384, 300), (3, 1500000), (600, 3000),
                     (4096, 8), (2048, 100), (3, 100000), (1, 4), (1100, 3000)]
-# Strided rows (x[:, :D] of a (rows, width) tensor), 16-byte aligned, of >= 8 KiB in every
-# dtype, take the row-by-row bulk-copy backward (the row ring) on sm_90; the last 4 KiB chunk
-# of a row is a part one (16 bytes in 16-bit types).
-ROW_RING_STRIDED = ((1100, 4104), 4112)
+# Strided rows (x[:, :D] of a (rows, width) tensor), 16-byte aligned, in every dtype.
+ALIGNED_STRIDED = ((1100, 4104), 4112)
 
 
-@pytest.mark.parametrize("shape, width", [(s, None) for s in POINTWISE_SHAPES] + [ROW_RING_STRIDED])
+@pytest.mark.parametrize("shape, width", [(s, None) for s in POINTWISE_SHAPES] + [ALIGNED_STRIDED])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 @pytest.mark.parametrize("swap", [False, True])
-def test_needed_gradients_pointwise_and_row_ring(dtype, pnorm, swap, shape, width):
-    """Aligned rows with p = 2 or 1: contiguous ones take the pointwise backward, strided ones
-    of >= 8 KiB the row ring (sm_90): each subset of needed gradients, a per-sample upstream
-    gradient, against float64 autograd, as accurate as torch's own autograd in that dtype."""
+def test_needed_gradients_aligned_rows(dtype, pnorm, swap, shape, width):
+    """Aligned rows with p = 2 or 1, contiguous or strided: each subset of needed gradients, a
+    per-sample upstream gradient, against float64 autograd, as accurate as torch's own autograd
+    in that dtype."""
     rows, d = shape
     a, p, n = rand_triplet((rows, width or d), dtype=dtype, device=DEV, seed=19)
     view = (lambda x: x) if width is None else (lambda x: x[:, :d])
@@ -142,10 +136,8 @@ def test_needed_gradients_pointwise_and_row_ring(dtype, pnorm, swap, shape, widt
             assert_as_accurate_as_torch(x, y, r)
 
 
-# Team sizes on both sides of choose_row_config's fill rule: many rows keep teams of 8 and 32
-# threads with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256,
-# bulk forward). The backward's team matters for p = inf and 3 (register loads); for p = 2 these
-# take the pointwise kernel.
+# Team sizes on both sides of the plan's fill rule: many rows keep teams of 8 and 32 threads
+# with several packs per thread; few rows take the next bigger team (8 -> 32, 32 -> 256).
 # (32768, 200) fp32 and (32768, 512) bf16: teams of 8 with 50 and 64 packs per row (the most a
 # team of 8 takes), so their threads run the 4-pack unrolled loop, not only its tail.
 TEAM_SHAPES = [((32768, 64), torch.float32), ((32768, 200), torch.float32),
@@ -178,9 +170,7 @@ def test_team_sizes_forward_and_gradients(shape, dtype, pnorm):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pnorm", [2.0, 1.0])
 def test_aligned_strided_rows_gradients(pnorm, dtype, width):
-    """x[:, :D] of a wider tensor, rows 16-byte aligned but not contiguous: long rows take the
-    row-by-row bulk-copy backward, short ones the register-load kernel's vector path (the
-    pointwise kernel needs contiguous rows)."""
+    """x[:, :D] of a wider tensor, rows 16-byte aligned but not contiguous."""
     d, wide_d = width
     wide = [x.detach().requires_grad_()
             for x in rand_triplet((600, wide_d), dtype=dtype, device=DEV, seed=20)]
@@ -287,11 +277,11 @@ def test_poisoned_gradients_fully_written():
     assert all(torch.isfinite(x).all() for x in ours)
 
 
-# Register loads (2047: rows not 16-byte multiples), the pointwise kernel (short rows, rows
-# across blocks, whole rows of >= 8 KiB, few long rows), the row ring (ROW_RING_STRIDED).
+# Rows that are not 16-byte multiples (2047), short rows, rows across blocks, long rows, few
+# long rows, aligned strided rows.
 @pytest.mark.parametrize("shape, width", [(s, None) for s in [
     (500, 2047), (500, 2048), (16384, 300), (1500, 3000), (3, 100000), (3, 1500000)]] +
-    [ROW_RING_STRIDED])
+    [ALIGNED_STRIDED])
 def test_deterministic_gradients(shape, width):
     rows, d = shape
     a, p, n = (x.requires_grad_()

@@ -18,7 +18,7 @@ def free_bytes():
     return torch.cuda.mem_get_info()[0]
 
 
-@pytest.mark.parametrize("dim", [65540, 65537])  # 16-byte rows (bulk copies) and odd rows (scalar)
+@pytest.mark.parametrize("dim", [65540, 65537])  # 16-byte rows and odd rows (scalar path)
 def test_more_than_2_31_elements_per_tensor(dim):
     rows = 32768  # rows * dim > 2^31 elements (8.6 GB per fp32 tensor)
     need = 3 * rows * dim * 4 + (4 << 30)

@@ -63,9 +63,8 @@ def test_inputs_on_different_gpus_raise_torch_error(moved):
     same_error(lambda: ft.triplet_margin_loss(*inputs), lambda: F.triplet_margin_loss(*inputs))
 
 
-# One case per backward kernel family: pointwise (contiguous rows), row ring (strided rows of
-# >= 8 KiB: x[:, :D] of a (rows, width) tensor), the row ring's split rows (few long strided
-# rows), register loads (rows that are not 16-byte multiples).
+# Contiguous rows, strided rows (x[:, :D] of a (rows, width) tensor), few long strided rows,
+# rows that are not 16-byte multiples.
 @requires_two_gpus
 @pytest.mark.parametrize("shape, width", [((4096, 256), None), ((256, 8192), 8200),
                                           ((4, 1 << 20), (1 << 20) + 4), ((300, 999), None)])

@@ -1,0 +1,132 @@
+"""A/B this checkout's kernels against other checkouts', in one process, over the sweep's cases.
+
+    mkdir /tmp/main && git archive main fused_triplet.py kernels | tar -x -C /tmp/main
+    python scripts/ab.py --base /tmp/main [--base other=/tmp/other ...] [--shapes 262144x256,...]
+                         [--dtypes fp32,bf16] [--modes forward,fwd+bwd] [--rounds 30] [--json ab.json]
+
+Each other checkout's fused_triplet.py and kernels are copied with their op namespace renamed
+(fused_triplet -> ft_<name>; a plain folder is named "base"), so all the libraries load side by
+side; they build in parallel. Each case times them all with bench.py's method (interleaved rounds,
+L2 flushed, GPU time), and prints new / the first base: below 1 the new kernels are faster.
+Add --compile to time torch.compile too.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def renamed_copy(base: str, module: str, folder: str) -> None:
+    """The base checkout's module and kernels with the namespace renamed to `module`, under
+    folder/module (its own folder: the module reads kernels/ beside itself)."""
+    folder = os.path.join(folder, module)
+    for name in ["fused_triplet.py"] + [os.path.join("kernels", f) for f in
+                                        os.listdir(os.path.join(base, "kernels"))]:
+        with open(os.path.join(base, name), encoding="utf-8") as f:
+            text = f.read().replace("fused_triplet", module)
+        target = os.path.join(folder, name.replace("fused_triplet", module))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def main() -> int:
+    import bench
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, action="append",
+                        help="another checkout's root folder, as FOLDER or NAME=FOLDER")
+    parser.add_argument("--shapes", default=bench.SWEEP_SHAPES)
+    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--modes", default="forward,fwd+bwd")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--compile", action="store_true", help="time torch.compile as well")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+
+    import torch
+    import fused_triplet
+
+    folder = tempfile.mkdtemp(prefix="ft_ab_")
+    bases = {}
+    for spec in args.base:
+        name, _, path = spec.rpartition("=")
+        module = "ft_" + (name or "base")
+        renamed_copy(path, module, folder)
+        bases[name or "base"] = module
+    # Build all at once, each in its own process (a process registers an op namespace once).
+    where = {m: os.path.join(folder, m) for m in bases.values()}
+    where["fused_triplet"] = ROOT
+    builds = {m: subprocess.Popen([sys.executable, "-c", f"import {m}; {m}.build()"], cwd=cwd,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for m, cwd in where.items()}
+    for name, proc in builds.items():
+        out, _ = proc.communicate()
+        if proc.returncode:
+            print(f"{name}: build failed\n{out[-3000:]}")
+            return 1
+    libraries = {}
+    for name, module in bases.items():
+        sys.path.insert(0, where[module])
+        libraries[name] = importlib.import_module(module)
+        libraries[name].build()
+    fused_triplet.build()
+    libraries["new"] = fused_triplet
+    first = next(iter(bases))
+
+    rows = []
+    names = list(libraries) + (["compile"] if args.compile else [])
+    print(f"{'mode':>8} {'shape':>12} {'dtype':>8} " + " ".join(f"{n[:9]:>9}" for n in names)
+          + f" {'new/' + first[:4]:>8}")
+    for mode in args.modes.split(","):
+        for dtype_name in args.dtypes.split(","):
+            for shape in bench.parse_shapes(args.shapes):
+                dtype = bench.DTYPES[dtype_name]
+                inputs = bench.make_inputs(shape, dtype)
+                modules = {name: lib.TripletMarginLoss() for name, lib in libraries.items()}
+                if args.compile:
+                    torch._dynamo.reset()
+                    modules["compile"] = torch.compile(torch.nn.TripletMarginLoss())
+                if mode == "forward":
+                    fns = modules
+                    ctx = torch.no_grad
+                else:
+                    inputs = [x.requires_grad_() for x in inputs]
+
+                    def step_of(module):
+                        def step(*xs):
+                            for x in xs:
+                                x.grad = None
+                            module(*xs).backward()
+                        return step
+                    fns = {name: step_of(m) for name, m in modules.items()}
+                    ctx = torch.enable_grad
+                with ctx():
+                    times = bench.time_interleaved(fns, inputs, args.rounds, 5)
+                ms = {name: statistics.median(t) for name, t in times.items()}
+                row = {"mode": mode, "shape": list(shape), "dtype": dtype_name, **ms,
+                       "new_over_base": ms["new"] / ms[first]}
+                rows.append(row)
+                print(f"{mode:>8} {'x'.join(map(str, shape)):>12} {dtype_name:>8} "
+                      + " ".join(f"{ms[n]:>9.4f}" for n in names)
+                      + f" {row['new_over_base']:>8.3f}", flush=True)
+                del inputs
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
+    shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
