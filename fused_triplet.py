@@ -127,6 +127,14 @@ def _find_toolkit(cpp_extension):
     return cpp_extension.CUDA_HOME, _toolkit_problem(cpp_extension.CUDA_HOME)
 
 
+def _default_build_root() -> str:
+    """torch's extension cache, as torch.utils.cpp_extension.get_default_build_root() gives it,
+    without importing that module."""
+    import torch._appdirs
+
+    return os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+
+
 def _unwritable(path: str) -> bool:
     while not os.path.exists(path):
         path = os.path.dirname(path)
@@ -145,10 +153,8 @@ def build(verbose: bool = False) -> str:
         raise RuntimeError("fused_triplet: the CUDA sources are missing: keep the kernels/ folder "
                            "beside fused_triplet.py, or use the one-file export "
                            "(python fused_triplet.py --export PATH)")
-    from torch.utils import cpp_extension
-
     name = _extension_name()
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_build_root()
     build_dir = os.path.join(root, name)
     library = os.path.join(build_dir, name + ".so")
     built = os.path.join(build_dir, "fused_triplet.built")  # written once the library is whole
@@ -157,6 +163,9 @@ def build(verbose: bool = False) -> str:
         # none of load_inline's checks).
         torch.ops.load_library(library)
         return _finish_loading(library)
+    # Only to compile: importing it imports setuptools and probes CUDA (0.43 s on the H200 host).
+    from torch.utils import cpp_extension
+
     toolkit, problem = _find_toolkit(cpp_extension)
     if problem:
         raise RuntimeError(f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: "

@@ -216,6 +216,13 @@ def test_build_is_marked_constant_as_torch_compile_marks_it():
     assert ft.build._dynamo_marked_constant is True
 
 
+def test_default_build_root_is_torchs():
+    """The extension cache build() looks in without importing torch.utils.cpp_extension is the
+    one that module builds in."""
+    from torch.utils import cpp_extension
+    assert ft._default_build_root() == cpp_extension.get_default_build_root()
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_hinge_probe_works_with_autograd_off(mode):
     """The library loads on first CUDA use, which may come under no_grad or inference_mode: the
