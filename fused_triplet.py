@@ -181,8 +181,8 @@ def build(verbose: bool = False) -> str:
     cpp_extension.CUDA_HOME = toolkit  # load_inline reads nvcc and libcudart from here
     if not os.path.exists(library):
         print(f"fused_triplet: compiling the CUDA kernels with {toolkit}/bin/nvcc into {build_dir}: "
-              "once per source or torch change, under a minute (later imports load the built "
-              "library)...", file=sys.stderr, flush=True)
+              "once per source or torch change, 20-40 s per GPU architecture (later imports load "
+              "the built library)...", file=sys.stderr, flush=True)
     # Only the headers each side includes itself (torch's implicit ones cost most of the build).
     implicit = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
     path = cpp_extension.load_inline(

@@ -2,7 +2,7 @@
 # The full test suite on a machine with a GPU in under 10 minutes: one build, then four pytest
 # processes at once (the >2^31-element tests, which skip themselves if the
 # others leave too little GPU memory; the CUDA kernel tests; the build/export/API/CPU tests,
-# whose rebuilds are CPU work; the 10,000-case fuzz). Sequential, the suite took ~540 s.
+# whose rebuilds are CPU work; the 10,000-case fuzz). About 4 minutes on the H200 host.
 # Logs go to $LOG_DIR (default ./gpu_logs); prints each group's summary line; non-zero if any failed.
 #   bash scripts/gpu_suite.sh [fuzz cases, default 10000]
 set -uo pipefail

@@ -37,7 +37,7 @@ def build_log(build_env, tmp_path_factory, pytestconfig):
     reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"tests/test_build.py: compiling the CUDA kernels with {TOOLKIT} "
-                            "(2-3 minutes)...")
+                            "(under a minute per architecture)...")
     logs_dir = tmp_path_factory.mktemp("logs")
     builders = []
     for k in range(2):

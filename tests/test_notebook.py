@@ -13,7 +13,7 @@ nbformat = pytest.importorskip("nbformat", reason="nbformat not installed (pip i
 def test_quickstart_notebook_runs():
     folder = os.path.join(ROOT, "examples")
     notebook = nbformat.read(os.path.join(folder, "quickstart.ipynb"), as_version=4)
-    # A GPU's first cell compiles the kernels (minutes): a generous per-cell timeout.
+    # A GPU's first cell compiles the kernels (under a minute): a generous per-cell timeout.
     nbclient.NotebookClient(notebook, timeout=1200, kernel_name="python3",
                             resources={"metadata": {"path": folder}}).execute()
     outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
