@@ -2,7 +2,7 @@
 
     python bench.py                       # KernelBench level 1 problem 99: (32768, 8192) fp32
     python bench.py --shapes 4096x512,16x4194304 --dtypes fp32,bf16 --json results.json
-    python bench.py --backward            # forward + backward, effective TB/s over 9 x input bytes
+    python bench.py --backward            # forward + backward: loss.backward(), (0.5 * loss).backward()
     python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # the sweep's shapes
     python bench.py --sweep --backward --shapes 1024x128,4096x512 --json part1.json   # a part
     python bench.py --merge part1.json part2.json --json sweep.json --plot sweep.png   # no GPU
@@ -14,7 +14,8 @@ GPU sleeps ~1 ms (torch.cuda._sleep) after each flush, before the start event, s
 issued the whole call by the time the clock starts: the flushed times are GPU time, as in a
 training loop whose host runs ahead, not host launch latency (--host-latency times without the
 sleep). A fresh torch.compile per shape (torch._dynamo.reset()), so recompile limits never silently fall
-back to eager. Effective TB/s = bytes that must move (each input read once) / median time.
+back to eager. Effective TB/s = bytes that must move (each input read once; with a backward, each
+gradient written once too) / median time.
 Cases under 16 MiB of input also get a per-call time: back-to-back calls (no flush) over enough
 rotated input sets to exceed the L2, so launch and Python overhead count as users see them.
 """
@@ -40,7 +41,8 @@ DEVICE_LEAD_CYCLES = 2_000_000
 SWEEP_SHAPES = "1024x128,4096x512,128x4096,262144x256,65536x1024,32768x8192,16x4194304,4x16777216"
 SMALL_BYTES = 16 << 20
 RESULTS = "results/h200_sweep.json"  # the recorded sweep: README's table and plot come from it
-README_CASES = [("forward", "32768x8192"), ("fwd+bwd", "32768x8192")]
+README_CASES = [("forward", "32768x8192"), ("fwd+bwd", "32768x8192"),
+                ("fwd+bwd 0.5x", "32768x8192")]
 
 
 def parse_shapes(text: str):
@@ -145,9 +147,11 @@ def summarize(mode, shape, dtype, times, results, bytes_moved, extra_bytes=None,
     return rows
 
 
-def bench_backward(shape, dtype, rounds, warmup, margin=1.0):
-    """Forward + backward of the mean loss, grads of all three inputs; peak extra memory is
-    max_memory_allocated during one step minus the inputs and the three gradients."""
+def bench_backward(shape, dtype, rounds, warmup, margin=1.0, weight=1.0):
+    """Forward + backward of the mean loss, grads of all three inputs: loss.backward(), or with
+    weight != 1 (weight * loss).backward() (an upstream gradient other than 1, as a weighted
+    loss, gradient accumulation or GradScaler sends). Peak extra memory is max_memory_allocated
+    during one step minus the inputs and the three gradients."""
     inputs = [x.requires_grad_() for x in make_inputs(shape, dtype)]
     torch._dynamo.reset()
     modules = {"eager": torch.nn.TripletMarginLoss(margin=margin),
@@ -160,7 +164,7 @@ def bench_backward(shape, dtype, rounds, warmup, margin=1.0):
             for x in xs:
                 x.grad = None
             loss = module(*xs)
-            loss.backward()
+            (loss if weight == 1.0 else weight * loss).backward()
             return loss
         step(*inputs)  # compile / build outside the measurement
         for x in inputs:
@@ -175,8 +179,15 @@ def bench_backward(shape, dtype, rounds, warmup, margin=1.0):
         steps[name] = step
     times = time_interleaved(steps, inputs, rounds, warmup)
     per_call = per_call_times(steps, inputs)
-    bytes_moved = 3 * input_bytes  # forward reads a, p, n; backward reads them and writes 3 grads
-    return summarize("fwd+bwd", shape, dtype, times, results, bytes_moved, extra, per_call)
+    # The least any implementation moves: a, p, n read once, three gradients written (two
+    # passes read the inputs twice: 1.5x this).
+    bytes_moved = 2 * input_bytes
+    mode = "fwd+bwd" if weight == 1.0 else f"fwd+bwd {weight}x"
+    return summarize(mode, shape, dtype, times, results, bytes_moved, extra, per_call)
+
+
+def bench_backward_weighted(shape, dtype, rounds, warmup):
+    return bench_backward(shape, dtype, rounds, warmup, weight=0.5)
 
 
 def print_table(rows):
@@ -296,9 +307,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds (median)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
     parser.add_argument("--backward", action="store_true",
-                        help="time forward + backward (grads of all inputs), with peak extra memory")
+                        help="time forward + backward (grads of all inputs), with peak extra "
+                        "memory: loss.backward() and (0.5 * loss).backward()")
     parser.add_argument("--sweep", action="store_true",
-                        help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds fwd+bwd)")
+                        help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",
                         help="no device sleep before each timed call: host launch latency counts")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -332,8 +344,9 @@ def main(argv=None) -> int:
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"{datetime.date.today()}; 'fused x' = contender time / fused_triplet time")
     fused_triplet.build()
-    benches = [bench_forward, bench_backward] if (args.sweep and args.backward) else \
-        [bench_backward if args.backward else bench_forward]
+    benches = [bench_backward, bench_backward_weighted] if args.backward else [bench_forward]
+    if args.sweep and args.backward:
+        benches.insert(0, bench_forward)
     rows = []
     for bench in benches:
         for dtype_name in args.dtypes.split(","):

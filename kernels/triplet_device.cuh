@@ -88,6 +88,23 @@ __device__ __forceinline__ void store_pack(T* ptr, const Pack<T>& v) {
   *reinterpret_cast<uint4*>(ptr) = raw;
 }
 
+// 16 bytes global -> shared without registers (sm_80 cp.async, bypassing L1; a plain load and
+// store before), and the wait for this thread's copies.
+__device__ __forceinline__ void copy_to_shared(uint4* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))), "l"(src) : "memory");
+#else
+  *dst = *static_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void wait_copies_to_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
 // ---- NaN-propagating helpers (torch's max/min/clamp_min propagate NaN) ----------------------------
 
 template <typename S> __device__ __forceinline__ S max_nan(S a, S b) { return (a != a || a > b) ? a : b; }

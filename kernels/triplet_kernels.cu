@@ -9,8 +9,10 @@
 //   forward_rows_kernel   register loads; teams of 8, 32 or 256 threads per row; any layout.
 //   forward_ring_kernel   sm_90: the copy engine streams rows of >= 8 KiB through shared memory.
 //   forward_finish_kernel slices -> distances and losses; block sums -> 'mean' / 'sum'.
-// Both main kernels give a thread the same elements in the same order and reduce in the same
-// tree, so where both can take an input they give the same bits (tests/test_families.py).
+//   forward_one_pass_kernel training: the rows kernel's loads kept in registers, then the
+//                         gradients for an upstream gradient of 1 (see "One pass" below).
+// The main kernels give a thread the same elements in the same order and reduce in the same
+// tree, so where two can take an input they give the same bits (tests/test_families.py).
 //
 // Backward: nothing B x D was saved. Per row the gradient is
 //   dL/da = c_ap f(u_ap) + c_an f(u_an),  dL/dp = -c_ap f(u_ap) + c_pn f(u_pn),
@@ -24,6 +26,14 @@
 //   1 < p < 2 sgn(u) |u|^(p-1) / d^(p-1); p >= 2 u |u|^(p-2) / d^(p-1) (0 where d = 0).
 //   backward_pointwise_kernel p = 1 or 2, 16-byte aligned rows: elementwise, as Triton's.
 //   backward_rows_kernel      the rest (any p: inf-norm ties need a pass over the row first).
+//
+// One pass: under autograd with 'mean' or 'sum', a row's gradient needs only the row and its
+// distances, so forward_one_pass_kernel writes it as if the upstream gradient were 1 while it
+// still holds the row (6.44 GB at (32768, 8192) fp32 instead of 9.66). The backward then only
+// applies the upstream gradient, in place (backward_rows_kernel's in_place mode; nothing when it
+// is 1). Float and bfloat16 gradients are therefore always upstream x (the local gradient,
+// rounded), in every path, so that every path gives the same bits. Each backward notes whether
+// its upstream gradient was 1 (upstream_flag, host memory); the next forward reads the note.
 #include "triplet_launch.h"
 #include "triplet_device.cuh"
 
@@ -70,10 +80,20 @@ constexpr int kRingChunkBytesShortElems = 4096;
 // loads first ((4096, 512) bf16 fwd+bwd 0.0208 ms against 0.0221 with 1 pack).
 constexpr int kPointwiseThreads = 128;
 constexpr int kPointwisePacks = 2;
+// Without swap it fits 64 registers: 8 blocks per SM (at 67, 7 blocks: weighted bf16 fwd+bwd
+// ran 3-8% slower); with swap it needs more (64 spills).
+constexpr int kPointwiseMinBlocks = 8;
 // Its pack indices are 32-bit: larger inputs take the rows kernel.
 constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
 // The finishing kernel: one block; its input is at most kMaxGrid block sums or 512 split rows.
 constexpr int kFinishThreads = 1024;
+// One pass: a thread keeps at most 8 packs of each input (in shared memory) until its row's
+// distances are known: 96 KiB per block, 2 blocks per SM. Longer rows take two passes.
+constexpr int64_t kOnePassPacks = 8;
+constexpr int kOnePassMinBlocks = 4;
+// The one pass's backward loops over the gradients with this many blocks: when the upstream
+// gradient is 1 they only read it and exit.
+constexpr int kUpstreamBlocks = 1024;
 
 // ==== Forward ======================================================================================
 
@@ -425,7 +445,23 @@ struct BackwardArgs {
   T* grad_a;              // [rows, dim] contiguous, or null when not needed
   T* grad_p;
   T* grad_n;
+  int* upstream_flag;     // 'mean' / 'sum': set to whether the upstream gradient is 1, or null
+  bool in_place;          // grad_a/p/n hold the one pass's gradients: apply the upstream one
 };
+
+// The types the one-pass forward takes. Their gradients are upstream x (the local gradient,
+// rounded to T) in every path, so that the paths give the same bits. fp16 stays upstream-first:
+// a 'mean' gradient can lie below fp16's normal range until GradScaler's scale reaches it.
+template <typename T>
+constexpr bool kUpstreamLast = std::is_same<T, float>::value || std::is_same<T, __nv_bfloat16>::value;
+
+// The backward notes for the next forward whether its upstream gradient was exactly 1.
+template <typename T>
+__device__ __forceinline__ void note_upstream(const BackwardArgs<T>& args) {
+  if (args.upstream_flag != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+    *static_cast<volatile int*>(args.upstream_flag) = to_acc(args.grad[0]) == acc_t<T>(1);
+  }
+}
 
 template <typename A>
 __device__ __forceinline__ A sgn(A x) {
@@ -490,18 +526,21 @@ struct RowGrad {
   A d_ap, d_an, d_pn;  // distances
   A g_ap, g_an, g_pn;  // upstream gradient reaching each distance
   A c_ap, c_an, c_pn;  // scales of f (set by scale())
+  A last;              // upstream gradient applied to the rounded gradient (1: none)
 
-  // Distances and upstream gradient of a row: hinge, swap choice, reduction scale.
-  // swap: args.swap, or the same as a compile-time constant (which the compiler folds).
-  __device__ __forceinline__ RowGrad(const BackwardArgs<T>& args, int64_t row, bool swap_)
-      : mode(args.norm.mode), p(static_cast<A>(args.norm.p)), eps(args.eps), swap(swap_) {
-    d_ap = args.dists[row];
-    d_an = args.dists[args.rows + row];
-    d_pn = swap ? args.dists[2 * args.rows + row] : A(0);
+  // A row's distances as the forward stored them; `first`, the upstream gradient folded into
+  // the scales, and `last`, the one applied to the rounded gradient (kUpstreamLast types; 1
+  // otherwise). Then the hinge and the swap choice. An inactive row gets neither.
+  __device__ __forceinline__ RowGrad(const NormParams& norm, A eps_, A margin, bool swap_,
+                                     bool hinge_at_zero, A d_ap_, A d_an_, A d_pn_, A first,
+                                     A last_)
+      : mode(norm.mode), p(static_cast<A>(norm.p)), eps(eps_), swap(swap_), d_ap(d_ap_),
+        d_an(d_an_), d_pn(swap_ ? d_pn_ : A(0)) {
     const A d_neg = swap ? min_nan(d_an, d_pn) : d_an;
-    const A hinge_in = args.margin + d_ap - d_neg;
-    const bool active = hinge_in > A(0) || (hinge_in == A(0) && args.hinge_at_zero);
-    const A g = active ? to_acc(args.grad[row * args.grad_stride]) * args.grad_scale : A(0);
+    const A hinge_in = margin + d_ap - d_neg;
+    const bool active = hinge_in > A(0) || (hinge_in == A(0) && hinge_at_zero);
+    const A g = active ? first : A(0);
+    last = active ? last_ : A(1);
     A w_an = A(1), w_pn = A(0);
     if (swap) {
       w_an = d_an > d_pn ? A(0) : (d_an == d_pn ? A(0.5) : A(1));
@@ -528,9 +567,51 @@ struct RowGrad {
     gp = add_rn(f_pn, -f_ap);
     gn = add_rn(-f_an, -f_pn);
   }
+  // Rounded gradients times the upstream gradient `last`: the one-pass gradients get it in
+  // backward_rows_kernel's in_place mode, the others as they are written, with the same
+  // rounding. `last` is a T value, so the product is exact before its one rounding: bfloat16
+  // pairs multiply as bfloat16x2 (one instruction; through float, weighted bf16 backwards ran
+  // 5-8% slower).
+  __device__ __forceinline__ void times_last(uint4& words) const {  // a pack, as stored
+    if constexpr (kUpstreamLast<T>) {
+      if (last == A(1)) return;
+      uint32_t w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+          __nv_bfloat162 pair;
+          memcpy(&pair, &w[k], 4);
+          pair = __hmul2(pair, __float2bfloat162_rn(last));
+          memcpy(&w[k], &pair, 4);
+        } else {
+          w[k] = __float_as_uint(mul_rn(__uint_as_float(w[k]), last));
+        }
+      }
+      words = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+  __device__ __forceinline__ T times_last(T x) const {
+    if constexpr (kUpstreamLast<T>) {
+      if (last == A(1)) return x;
+      if constexpr (std::is_same<T, __nv_bfloat16>::value) return __hmul(x, __float2bfloat16_rn(last));
+      else return mul_rn(x, last);
+    }
+    return x;
+  }
+  __device__ __forceinline__ void store_times_last(T* out, int64_t at, const Pack<T>& x) const {
+    if (out == nullptr) return;
+    uint4 words;
+    memcpy(&words, &x, sizeof(words));
+    times_last(words);
+    *reinterpret_cast<uint4*>(out + at) = words;
+  }
+  __device__ __forceinline__ void write(T* out, int64_t at, A g) const {
+    if (out != nullptr) out[at] = times_last(from_acc<T>(g));
+  }
   // The same for one 16-byte pack of each input, written where needed at element `at`.
-  __device__ __forceinline__ void write_pack(const BackwardArgs<T>& args, int64_t at,
-                                             const Pack<T>& a, const Pack<T>& p_, const Pack<T>& n) const {
+  __device__ __forceinline__ void write_pack(T* out_a, T* out_p, T* out_n, int64_t at,
+                                             const Pack<T>& a, const Pack<T>& p_,
+                                             const Pack<T>& n) const {
     Pack<T> oa, op, on;
 #pragma unroll
     for (int j = 0; j < Pack<T>::kN; ++j) {
@@ -540,19 +621,58 @@ struct RowGrad {
       op.v[j] = from_acc<T>(gp);
       on.v[j] = from_acc<T>(gn);
     }
-    if (args.grad_a != nullptr) store_pack(args.grad_a + at, oa);
-    if (args.grad_p != nullptr) store_pack(args.grad_p + at, op);
-    if (args.grad_n != nullptr) store_pack(args.grad_n + at, on);
+    store_times_last(out_a, at, oa);
+    store_times_last(out_p, at, op);
+    store_times_last(out_n, at, on);
   }
   __device__ __forceinline__ void write_elem(const BackwardArgs<T>& args, int64_t at, T a, T p_,
                                              T n) const {
     A ga, gp, gn;
     (*this)(to_acc(a), to_acc(p_), to_acc(n), ga, gp, gn);
-    if (args.grad_a != nullptr) args.grad_a[at] = from_acc<T>(ga);
-    if (args.grad_p != nullptr) args.grad_p[at] = from_acc<T>(gp);
-    if (args.grad_n != nullptr) args.grad_n[at] = from_acc<T>(gn);
+    write(args.grad_a, at, ga);
+    write(args.grad_p, at, gp);
+    write(args.grad_n, at, gn);
   }
 };
+
+// A row's RowGrad in the backward: distances from the forward, the upstream gradient given.
+template <typename T, NormKind K>
+__device__ __forceinline__ RowGrad<T, K> backward_row_grad(const BackwardArgs<T>& args,
+                                                           int64_t row, bool swap) {
+  using A = acc_t<T>;
+  const A upstream = to_acc(args.grad[row * args.grad_stride]);
+  const A d_pn = swap ? args.dists[2 * args.rows + row] : A(0);
+  const A first = kUpstreamLast<T> ? args.grad_scale : upstream * args.grad_scale;
+  return RowGrad<T, K>(args.norm, args.eps, args.margin, swap, args.hinge_at_zero,
+                       args.dists[row], args.dists[args.rows + row], d_pn, first,
+                       kUpstreamLast<T> ? upstream : A(1));
+}
+
+// The backward of the one pass ('mean' / 'sum', gradients as forward_one_pass_kernel wrote
+// them): the upstream gradient applied in place, as RowGrad::times_last applies it, over a grid
+// of at most kUpstreamBlocks. Nothing when it is 1 (the common loss.backward()). Inactive rows
+// keep their gradients (torch's clamp_min passes none of a NaN or inf upstream gradient to them).
+template <typename T>
+__device__ __forceinline__ void apply_upstream_in_place(const BackwardArgs<T>& args) {
+  using A = acc_t<T>;
+  constexpr int kVec = Pack<T>::kN;
+  if (to_acc(args.grad[0]) == A(1)) return;
+  const int64_t row_packs = args.dim / kVec;
+  const int64_t packs = args.rows * row_packs;
+  T* outs[3] = {args.grad_a, args.grad_p, args.grad_n};
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < packs;
+       v += int64_t(gridDim.x) * blockDim.x) {
+    const RowGrad<T, NormKind::kTwo> rg =
+        backward_row_grad<T, NormKind::kTwo>(args, v / row_packs, args.swap);
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      if (outs[k] == nullptr) continue;
+      uint4 words = *reinterpret_cast<const uint4*>(outs[k] + v * kVec);
+      rg.times_last(words);
+      *reinterpret_cast<uint4*>(outs[k] + v * kVec) = words;
+    }
+  }
+}
 
 struct PlainSum {  // combine for counting inf-norm ties with team_reduce
   template <typename S>
@@ -560,7 +680,8 @@ struct PlainSum {  // combine for counting inf-norm ties with team_reduce
 };
 
 // Units as the forward's rows kernel (groups of rows, or slices of split rows). An explicit 1
-// block per SM: ptxas's own target spills a few bytes on sm_100.
+// block per SM: ptxas's own target spills a few bytes on sm_100. With args.in_place, the one
+// pass's backward instead (apply_upstream_in_place).
 template <typename T, NormKind K>
 __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const BackwardArgs<T> args) {
   using A = acc_t<T>;
@@ -569,6 +690,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const B
   // 4 took 170 registers), 1 for general p (pow calls would spill).
   constexpr int kUnroll = K == NormKind::kOther ? 1 : sizeof(T) == 2 ? 2 : 4;
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
+  note_upstream(args);
+  if (args.in_place) {  // the one pass's backward
+    if constexpr (kUpstreamLast<T>) apply_upstream_in_place(args);
+    return;
+  }
   const int tpr = args.tpr;
   const int team = threadIdx.x / tpr;
   const int lane = threadIdx.x % tpr;
@@ -582,7 +708,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const B
     const int64_t row = group * rows_per_unit + team;
     const bool live = row < args.rows;
     const int64_t r = live ? row : 0;
-    RowGrad<T, K> rg(args, r, args.swap);
+    RowGrad<T, K> rg = backward_row_grad<T, K>(args, r, args.swap);
     const T* a = args.a + r * args.stride_a;
     const T* p = args.p + r * args.stride_p;
     const T* n = args.n + r * args.stride_n;
@@ -633,7 +759,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const B
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t v = v0 + int64_t(u) * tpr;
           if (v >= packs) break;
-          rg.write_pack(args, out + v * kVec, pa[u], pp[u], pn[u]);
+          rg.write_pack(args.grad_a, args.grad_p, args.grad_n, out + v * kVec, pa[u], pp[u],
+                        pn[u]);
         }
       }
       i = packs * kVec + lane;
@@ -646,11 +773,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const B
 // loads packs of each input into registers (all loads first, plain loads), as Triton's pointwise
 // backward does. The threads of a row load the same distances, from L1.
 template <typename T, NormKind K, bool kSwap>
-__global__ void __launch_bounds__(kPointwiseThreads)
+__global__ void __launch_bounds__(kPointwiseThreads, kSwap ? 1 : kPointwiseMinBlocks)
     backward_pointwise_kernel(const BackwardArgs<T> args, uint32_t packs, uint32_t row_packs) {
   static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
+  note_upstream(args);
   const uint32_t first = blockIdx.x * uint32_t(kPointwiseThreads * kPointwisePacks) + threadIdx.x;
   Pack<T> pa[kPointwisePacks], pp[kPointwisePacks], pn[kPointwisePacks];
   uint32_t row[kPointwisePacks];
@@ -669,10 +797,97 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   for (int j = 0; j < kPointwisePacks; ++j) {
     const uint32_t v = first + uint32_t(j * kPointwiseThreads);
     if (v >= packs) break;
-    RowGrad<T, K> rg(args, row[j], kSwap);
+    RowGrad<T, K> rg = backward_row_grad<T, K>(args, row[j], kSwap);
     rg.scale(A(1), A(1), A(1));
-    rg.write_pack(args, int64_t(v) * kVec, pa[j], pp[j], pn[j]);
+    rg.write_pack(args.grad_a, args.grad_p, args.grad_n, int64_t(v) * kVec, pa[j], pp[j], pn[j]);
   }
+}
+
+// ==== One pass ======================================================================================
+
+template <typename T>
+struct OnePassArgs {
+  T* grad_a;  // [rows, dim] contiguous, or null when not needed
+  T* grad_p;
+  T* grad_n;
+  acc_t<T> margin;
+  acc_t<T> grad_scale;  // 1 / rows for 'mean', else 1
+  bool hinge_at_zero;
+  int packs_per_thread;  // of each input, in shared memory: ceil(row packs / team)
+};
+
+// Training, p = 1 or 2, aligned rows of whole packs that the rows kernel's teams cover with at
+// most kOnePassPacks packs per thread: the rows kernel (same teams, packs, order and reduction
+// tree: the same loss and distances) with every pack kept in shared memory until the row's
+// distances are known, then the backward's RowGrad on them for an upstream gradient of 1 (the
+// same bits as the backward kernels given 1). Copied straight to shared memory: held in
+// registers, 8 packs of each input took 170 registers (1 block per SM) or spilled at 128.
+// Each thread reads back only its own packs: no barrier between copy and use.
+template <typename T, NormKind K, bool kSwap>
+__global__ void __launch_bounds__(kBlockThreads, kOnePassMinBlocks)
+    forward_one_pass_kernel(const ForwardArgs<T> args, const OnePassArgs<T> out) {
+  allow_follow_up();
+  using S = sum_t<T>;
+  using A = acc_t<T>;
+  constexpr int kVec = Pack<T>::kN;
+  extern __shared__ uint4 held[];  // [input][pack j][thread]: conflict-free 16-byte slots
+  __shared__ RowSums<S> smem_rows[kBlockThreads / 32];
+  const Norm<T, K> norm(args.norm);
+  const int tpr = args.tpr;
+  const int team = threadIdx.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int rows_per_unit = kBlockThreads / tpr;
+  const int per_thread = out.packs_per_thread;
+  const int64_t packs = args.dim / kVec;
+  uint4* held_a = held + threadIdx.x;
+  uint4* held_p = held_a + per_thread * kBlockThreads;
+  uint4* held_n = held_p + per_thread * kBlockThreads;
+  S loss_sum = S(0);
+  for (int64_t unit = blockIdx.x; unit < args.units; unit += gridDim.x) {  // block-uniform bounds
+    const int64_t row = unit * rows_per_unit + team;
+    const bool live = row < args.rows;
+    // this thread's packs of the row: lane, lane + tpr, ... (mine <= per_thread)
+    const int mine = live ? static_cast<int>(min(int64_t(per_thread), (packs - lane + tpr - 1) / tpr)) : 0;
+    const T* a = args.a + row * args.stride_a + lane * kVec;
+    const T* p = args.p + row * args.stride_p + lane * kVec;
+    const T* n = args.n + row * args.stride_n + lane * kVec;
+    for (int j = 0; j < mine; ++j) {
+      const int64_t at = int64_t(j) * tpr * kVec;
+      copy_to_shared(held_a + j * kBlockThreads, a + at);
+      copy_to_shared(held_p + j * kBlockThreads, p + at);
+      copy_to_shared(held_n + j * kBlockThreads, n + at);
+    }
+    wait_copies_to_shared();
+    RowSums<S> s{norm.identity(), norm.identity(), norm.identity()};
+    for (int j = 0; j < mine; ++j) {
+      accumulate_packs(norm, s, as_pack<T>(held_a[j * kBlockThreads]),
+                       as_pack<T>(held_p[j * kBlockThreads]), as_pack<T>(held_n[j * kBlockThreads]),
+                       args.eps, kSwap);
+    }
+    s = team_reduce(s, tpr, norm, smem_rows);
+    if (tpr > 32) {  // block-uniform: lane 0 holds the sums; the whole team needs them
+      if (lane == 0) smem_rows[team] = s;
+      __syncthreads();
+      s = smem_rows[team];
+      __syncthreads();
+    }
+    if (!live) continue;
+    if (lane == 0) finish_row(args, norm, s, row, loss_sum);
+    // The distances as finish_row stores them, which the backward kernels read.
+    const A d_ap = static_cast<A>(norm.finish(s.ap));
+    const A d_an = static_cast<A>(norm.finish(s.an));
+    const A d_pn = kSwap ? static_cast<A>(norm.finish(s.pn)) : A(0);
+    RowGrad<T, K> rg(args.norm, args.eps, out.margin, kSwap, out.hinge_at_zero, d_ap, d_an, d_pn,
+                     out.grad_scale, A(1));
+    rg.scale(A(1), A(1), A(1));
+    const int64_t first = row * args.dim + lane * kVec;
+    for (int j = 0; j < mine; ++j) {
+      rg.write_pack(out.grad_a, out.grad_p, out.grad_n, first + int64_t(j) * tpr * kVec,
+                    as_pack<T>(held_a[j * kBlockThreads]), as_pack<T>(held_p[j * kBlockThreads]),
+                    as_pack<T>(held_n[j * kBlockThreads]));
+    }
+  }
+  write_block_sum(args, lane, loss_sum);
 }
 
 // ==== The plans ====================================================================================
@@ -757,17 +972,30 @@ LaunchPlan row_geometry(const TripletProblem& pr) {
 }  // namespace
 
 const char* forward_family_unfit(const TripletProblem& pr, ForwardFamily family) {
-  if (family != ForwardFamily::kRing) return nullptr;
-  if (pr.cc_major < 9) return "the ring needs sm_90's bulk copies";
-  if (norm_kind(pr.p_norm) == NormKind::kOther) return "the ring takes p = 1 or 2 (pow, not memory, bounds the rest)";
-  if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the ring needs 16-byte aligned rows";
-  if (row_geometry(pr).threads_per_row != kBlockThreads) return "the ring needs whole-block teams";
+  if (family == ForwardFamily::kRing) {
+    if (pr.cc_major < 9) return "the ring needs sm_90's bulk copies";
+    if (norm_kind(pr.p_norm) == NormKind::kOther) return "the ring takes p = 1 or 2 (pow, not memory, bounds the rest)";
+    if (pr.dtype == DType::kDouble) return "the ring takes 2- and 4-byte elements (float64 takes register loads)";
+    if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the ring needs 16-byte aligned rows";
+    if (row_geometry(pr).threads_per_row != kBlockThreads) return "the ring needs whole-block teams";
+  }
+  if (family == ForwardFamily::kOnePass) {
+    if (pr.dtype != DType::kFloat && pr.dtype != DType::kBFloat16) return "the onepass forward takes float32 and bfloat16";
+    if (norm_kind(pr.p_norm) == NormKind::kOther) return "the onepass forward takes p = 1 or 2";
+    if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the onepass forward needs 16-byte aligned rows";
+    const LaunchPlan rows = row_geometry(pr);
+    const int64_t packs = pr.dim * element_size(pr.dtype) / kVecBytes;
+    if (rows.splits > 1 || packs > kOnePassPacks * rows.threads_per_row) {
+      return "the onepass forward holds at most 8 packs of each input per thread";
+    }
+  }
   return nullptr;
 }
 
 const char* backward_family_unfit(const TripletProblem& pr, BackwardFamily family) {
   if (family != BackwardFamily::kPointwise) return nullptr;
   if (norm_kind(pr.p_norm) == NormKind::kOther) return "the pointwise backward takes p = 1 or 2";
+  if (pr.dtype == DType::kDouble) return "the pointwise backward takes 2- and 4-byte elements";
   if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the pointwise backward needs 16-byte aligned rows";
   if (pr.rows * pr.dim * element_size(pr.dtype) / kVecBytes >= kPointwiseMaxPacks) {
     return "the pointwise backward takes fewer than 2^31 packs";
@@ -775,17 +1003,23 @@ const char* backward_family_unfit(const TripletProblem& pr, BackwardFamily famil
   return nullptr;
 }
 
-LaunchPlan plan_forward(const TripletProblem& pr, ForwardFamily forced) {
+LaunchPlan plan_forward(const TripletProblem& pr, ForwardFamily forced, bool write_grads) {
   LaunchPlan plan = row_geometry(pr);
   plan.vectorized = inputs_aligned(pr);
   ForwardFamily family = forced;
   plan.reason = "forced";
   if (family == ForwardFamily::kAuto) {
     const bool long_rows = pr.dim * element_size(pr.dtype) >= kRingMinRowBytes;
-    family = long_rows && !forward_family_unfit(pr, ForwardFamily::kRing) ? ForwardFamily::kRing
-                                                                          : ForwardFamily::kRows;
-    plan.reason = family == ForwardFamily::kRing ? "aligned rows of >= 8 KiB on sm_90"
-                                                 : "register loads: every other input";
+    if (write_grads && !forward_family_unfit(pr, ForwardFamily::kOnePass)) {
+      family = ForwardFamily::kOnePass;
+      plan.reason = "training: each thread holds its packs of the row";
+    } else if (long_rows && !forward_family_unfit(pr, ForwardFamily::kRing)) {
+      family = ForwardFamily::kRing;
+      plan.reason = "aligned rows of >= 8 KiB on sm_90";
+    } else {
+      family = ForwardFamily::kRows;
+      plan.reason = "register loads: every other input";
+    }
   }
   plan.family = static_cast<int>(family);
   if (family == ForwardFamily::kRing) {
@@ -817,7 +1051,7 @@ LaunchPlan plan_backward(const TripletProblem& pr, BackwardFamily forced) {
 }
 
 std::string describe_plan(const LaunchPlan& plan, bool forward) {
-  const char* names[2][2] = {{"rows", "pointwise"}, {"rows", "ring"}};
+  const char* names[2][3] = {{"rows", "pointwise", ""}, {"rows", "ring", "onepass"}};
   std::string s = names[forward ? 1 : 0][plan.family];
   s += ": threads_per_row=" + std::to_string(plan.threads_per_row) +
        " splits=" + std::to_string(plan.splits) + " grid=" + std::to_string(plan.grid) +
@@ -905,7 +1139,8 @@ void fill_rows(Args& args, const TripletProblem& pr, const LaunchPlan& plan) {
 }  // namespace
 
 cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int64_t reduction,
-                           void* loss, void* dists, void* workspace, cudaStream_t stream) {
+                           void* loss, void* dists, void* workspace, const GradOutputs& grads,
+                           cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   with_type(pr.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -922,7 +1157,27 @@ cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int
       with_swap(pr.swap, [&](auto swap) {
         constexpr NormKind K = decltype(kind)::value;
         constexpr bool kSwap = decltype(swap)::value;
-        if constexpr (K != NormKind::kOther) {
+        if constexpr (K != NormKind::kOther && kUpstreamLast<T>) {
+          if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
+            OnePassArgs<T> out{};
+            out.grad_a = static_cast<T*>(grads.grad_a);
+            out.grad_p = static_cast<T*>(grads.grad_p);
+            out.grad_n = static_cast<T*>(grads.grad_n);
+            out.margin = static_cast<acc_t<T>>(pr.margin);
+            out.grad_scale = reduction == kMean ? acc_t<T>(1) / static_cast<acc_t<T>>(pr.rows)
+                                                : acc_t<T>(1);
+            out.hinge_at_zero = grads.hinge_at_zero;
+            out.packs_per_thread = static_cast<int>(
+                (pr.dim / Pack<T>::kN + plan.threads_per_row - 1) / plan.threads_per_row);
+            const int smem = 3 * out.packs_per_thread * kBlockThreads * kVecBytes;
+            err = allow_shared_memory<forward_one_pass_kernel<T, K, kSwap>>(smem);
+            if (err == cudaSuccess) {
+              forward_one_pass_kernel<T, K, kSwap><<<plan.grid, kBlockThreads, smem, stream>>>(args, out);
+            }
+            return;
+          }
+        }
+        if constexpr (K != NormKind::kOther && !std::is_same<T, double>::value) {
           if (plan.family == static_cast<int>(ForwardFamily::kRing)) {
             const int smem = kRingStages * 3 * plan.ring_chunk_bytes;  // above the 48 KiB default
             err = allow_shared_memory<forward_ring_kernel<T, K, kSwap>>(smem);
@@ -967,27 +1222,38 @@ cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int
   return err;
 }
 
+namespace {
+
+template <typename T>
+BackwardArgs<T> backward_args(const TripletProblem& pr, const LaunchPlan& plan, int64_t reduction,
+                              const BackwardInputs& in) {
+  using A = acc_t<T>;
+  BackwardArgs<T> args{};
+  fill_rows(args, pr, plan);
+  args.margin = static_cast<A>(pr.margin);
+  args.hinge_at_zero = in.hinge_at_zero;
+  args.dists = static_cast<const A*>(in.dists);
+  args.grad = static_cast<const T*>(in.grad);
+  args.grad_stride = reduction == kNone ? 1 : 0;
+  args.grad_scale = reduction == kMean ? A(1) / static_cast<A>(pr.rows) : A(1);
+  args.grad_a = static_cast<T*>(in.grad_a);
+  args.grad_p = static_cast<T*>(in.grad_p);
+  args.grad_n = static_cast<T*>(in.grad_n);
+  args.upstream_flag = reduction == kNone ? nullptr : in.upstream_flag;
+  return args;
+}
+
+}  // namespace
+
 cudaError_t launch_backward(const TripletProblem& pr, const LaunchPlan& plan, int64_t reduction,
-                            const void* grad, const void* dists, bool hinge_at_zero,
-                            void* grad_a, void* grad_p, void* grad_n, cudaStream_t stream) {
+                            const BackwardInputs& in, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   with_type(pr.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    using A = acc_t<T>;
-    BackwardArgs<T> args{};
-    fill_rows(args, pr, plan);
-    args.margin = static_cast<A>(pr.margin);
-    args.hinge_at_zero = hinge_at_zero;
-    args.dists = static_cast<const A*>(dists);
-    args.grad = static_cast<const T*>(grad);
-    args.grad_stride = reduction == kNone ? 1 : 0;
-    args.grad_scale = reduction == kMean ? A(1) / static_cast<A>(pr.rows) : A(1);
-    args.grad_a = static_cast<T*>(grad_a);
-    args.grad_p = static_cast<T*>(grad_p);
-    args.grad_n = static_cast<T*>(grad_n);
+    const BackwardArgs<T> args = backward_args<T>(pr, plan, reduction, in);
     with_kind(pr.p_norm, [&](auto kind) {
       constexpr NormKind K = decltype(kind)::value;
-      if constexpr (K != NormKind::kOther) {
+      if constexpr (K != NormKind::kOther && !std::is_same<T, double>::value) {
         if (plan.family == static_cast<int>(BackwardFamily::kPointwise)) {
           constexpr int64_t kVec = kVecBytes / sizeof(T);
           const auto packs = static_cast<uint32_t>(pr.rows * pr.dim / kVec);
@@ -1002,6 +1268,28 @@ cudaError_t launch_backward(const TripletProblem& pr, const LaunchPlan& plan, in
       backward_rows_kernel<T, K><<<plan.grid, kBlockThreads, 0, stream>>>(args);
     });
     err = cudaGetLastError();
+  });
+  return err;
+}
+
+cudaError_t launch_upstream(const TripletProblem& pr, int64_t reduction, const BackwardInputs& in,
+                            cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  with_type(pr.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if constexpr (kUpstreamLast<T>) {
+      BackwardArgs<T> args = backward_args<T>(pr, row_geometry(pr), reduction, in);
+      args.in_place = true;
+      const int64_t packs = pr.rows * pr.dim / (kVecBytes / static_cast<int64_t>(sizeof(T)));
+      const int64_t grid = std::max<int64_t>(
+          1, std::min<int64_t>(kUpstreamBlocks, (packs + kBlockThreads - 1) / kBlockThreads));
+      with_kind(pr.p_norm, [&](auto kind) {
+        backward_rows_kernel<T, decltype(kind)::value><<<grid, kBlockThreads, 0, stream>>>(args);
+      });
+      err = cudaGetLastError();
+    } else {
+      err = cudaErrorInvalidValue;  // forward_family_unfit keeps other types off the one pass
+    }
   });
   return err;
 }

@@ -15,8 +15,9 @@ namespace fused_triplet {
 enum class DType : int { kHalf = 0, kBFloat16 = 1, kFloat = 2, kDouble = 3 };
 enum Reduction : int64_t { kNone = 0, kMean = 1, kSum = 2 };  // at::Reduction's values
 
-// The kernel families; kAuto lets the plan choose (tests force the others).
-enum class ForwardFamily : int { kAuto = -1, kRows = 0, kRing = 1 };
+// The kernel families; kAuto lets the plan choose (tests force the others). kOnePass also
+// writes the gradients (training); the plan takes it only when asked for gradients.
+enum class ForwardFamily : int { kAuto = -1, kRows = 0, kRing = 1, kOnePass = 2 };
 enum class BackwardFamily : int { kAuto = -1, kRows = 0, kPointwise = 1 };
 
 // The three inputs as (rows, dim) arrays with unit element stride, and the loss options.
@@ -45,7 +46,7 @@ struct LaunchPlan {
   const char* reason;       // the table entry that decided the family
 };
 
-LaunchPlan plan_forward(const TripletProblem& problem, ForwardFamily forced);
+LaunchPlan plan_forward(const TripletProblem& problem, ForwardFamily forced, bool write_grads);
 LaunchPlan plan_backward(const TripletProblem& problem, BackwardFamily forced);
 // Why `forced` cannot take the problem, or nullptr if it can.
 const char* forward_family_unfit(const TripletProblem& problem, ForwardFamily family);
@@ -56,19 +57,43 @@ std::string describe_plan(const LaunchPlan& plan, bool forward);
 size_t forward_workspace_bytes(const TripletProblem& problem, const LaunchPlan& plan,
                                int64_t reduction);
 
+// The one-pass forward's gradients: contiguous (rows, dim), or nullptr where not needed.
+// hinge_at_zero: whether clamp_min passes the gradient at exactly 0 (the installed torch's).
+struct GradOutputs {
+  void* grad_a;
+  void* grad_p;
+  void* grad_n;
+  bool hinge_at_zero;
+};
+
 // loss: [rows] ('none') or one value, in the input dtype; dists: [2 or 3, rows] in the
-// accumulation dtype (float, double for double inputs). Returns the first launch error.
+// accumulation dtype (float, double for double inputs); grads: the one-pass plan's (else
+// unused). Returns the first launch error.
 cudaError_t launch_forward(const TripletProblem& problem, const LaunchPlan& plan,
                            int64_t reduction, void* loss, void* dists, void* workspace,
-                           cudaStream_t stream);
+                           const GradOutputs& grads, cudaStream_t stream);
 
-// grad: [rows] ('none') or one value in the input dtype; grad_a/p/n: contiguous (rows, dim)
-// outputs, or nullptr where not needed. hinge_at_zero: whether clamp_min passes the gradient
-// at exactly 0 (the installed torch's convention).
+// What a backward reads and writes. grad: the upstream gradient, [rows] ('none') or one value
+// in the input dtype; dists: the forward's; grad_a/p/n: contiguous (rows, dim), or nullptr
+// where not needed; upstream_flag: host-mapped memory where a 'mean' / 'sum' backward notes
+// whether its upstream gradient was exactly 1, or nullptr.
+struct BackwardInputs {
+  const void* grad;
+  const void* dists;
+  bool hinge_at_zero;
+  void* grad_a;
+  void* grad_p;
+  void* grad_n;
+  int* upstream_flag;
+};
+
 cudaError_t launch_backward(const TripletProblem& problem, const LaunchPlan& plan,
-                            int64_t reduction, const void* grad, const void* dists,
-                            bool hinge_at_zero, void* grad_a, void* grad_p, void* grad_n,
-                            cudaStream_t stream);
+                            int64_t reduction, const BackwardInputs& in, cudaStream_t stream);
+
+// The backward of a one-pass forward: grad_a/p/n hold its gradients and get the upstream
+// gradient in place.
+cudaError_t launch_upstream(const TripletProblem& problem, int64_t reduction,
+                            const BackwardInputs& in, cudaStream_t stream);
 
 }  // namespace fused_triplet
 

@@ -7,6 +7,7 @@
 #include "triplet_launch.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/triplet_margin_loss.h>
@@ -20,7 +21,9 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <mutex>
 
 namespace fused_triplet {
 namespace {
@@ -31,6 +34,70 @@ std::atomic<bool> hinge_at_zero{false};
 // Test-only: the kernel families to launch instead of the plan's (-1: the plan's).
 std::atomic<int> forced_forward{-1};
 std::atomic<int> forced_backward{-1};
+
+// Where each 'mean' / 'sum' backward notes whether its upstream gradient was exactly 1, for the
+// next forward of the same problem to choose one pass (1) or two (0): host memory the GPU writes,
+// read without a sync, so late by as many steps as the host runs ahead of the GPU. A slot per
+// hash of device, shape, dtype and options; allocated on first use outside a CUDA graph capture.
+constexpr int kUpstreamSlots = 256;
+std::atomic<int*> upstream_notes{nullptr};         // host view
+std::atomic<int*> upstream_notes_device{nullptr};  // the same memory as the GPU addresses it
+std::atomic<bool> upstream_notes_failed{false};
+std::mutex upstream_notes_mutex;
+
+bool allocate_upstream_notes(cudaStream_t stream) {
+  if (upstream_notes.load() != nullptr) return true;
+  if (upstream_notes_failed.load()) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return false;  // allocating would break the capture: two passes until a call outside one
+  }
+  const std::lock_guard<std::mutex> lock(upstream_notes_mutex);
+  if (upstream_notes.load() != nullptr) return true;
+  void* host = nullptr;
+  void* device = nullptr;
+  if (cudaHostAlloc(&host, kUpstreamSlots * sizeof(int),
+                    cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
+      cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    upstream_notes_failed.store(true);  // no mapped host memory: always two passes
+    return false;
+  }
+  int* notes = static_cast<int*>(host);
+  for (int i = 0; i < kUpstreamSlots; ++i) notes[i] = 1;  // until a backward says otherwise
+  upstream_notes_device.store(static_cast<int*>(device));
+  upstream_notes.store(notes);
+  return true;
+}
+
+int upstream_slot(const TripletProblem& pr, int64_t reduction, int device) {
+  uint64_t key[9] = {static_cast<uint64_t>(device), static_cast<uint64_t>(pr.rows),
+                     static_cast<uint64_t>(pr.dim), static_cast<uint64_t>(pr.dtype),
+                     static_cast<uint64_t>(reduction), static_cast<uint64_t>(pr.swap)};
+  std::memcpy(&key[6], &pr.margin, 8);
+  std::memcpy(&key[7], &pr.p_norm, 8);
+  std::memcpy(&key[8], &pr.eps, 8);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+  for (uint64_t k : key) h = (h ^ k) * 1099511628211ull;
+  return static_cast<int>(h % kUpstreamSlots);
+}
+
+// The device's address of the problem's note, or nullptr ('none', or no notes).
+int* upstream_note_for_gpu(const TripletProblem& pr, int64_t reduction, int device,
+                           cudaStream_t stream) {
+  if (reduction == kNone || !allocate_upstream_notes(stream)) return nullptr;
+  return upstream_notes_device.load() + upstream_slot(pr, reduction, device);
+}
+
+// What the last backward of this problem noted (true also before any).
+bool last_upstream_was_one(const TripletProblem& pr, int64_t reduction, int device,
+                           cudaStream_t stream) {
+  if (!allocate_upstream_notes(stream)) return false;
+  const volatile int* note = upstream_notes.load() + upstream_slot(pr, reduction, device);
+  return *note != 0;
+}
 
 void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
                   int64_t reduction) {
@@ -106,11 +173,13 @@ TripletProblem make_problem(const at::Tensor& a, const at::Tensor& p, const at::
   return pr;
 }
 
-LaunchPlan forward_plan(const TripletProblem& pr) {
-  const auto family = static_cast<ForwardFamily>(forced_forward.load());
+// write_grads: the call may take the one-pass family (forcing it applies to such calls only).
+LaunchPlan forward_plan(const TripletProblem& pr, bool write_grads) {
+  auto family = static_cast<ForwardFamily>(forced_forward.load());
+  if (family == ForwardFamily::kOnePass && !write_grads) family = ForwardFamily::kAuto;
   const char* unfit = forward_family_unfit(pr, family);
   TORCH_CHECK(unfit == nullptr, "fused_triplet: the forced forward family cannot run: ", unfit);
-  return plan_forward(pr, family);
+  return plan_forward(pr, family, write_grads);
 }
 
 LaunchPlan backward_plan(const TripletProblem& pr) {
@@ -120,34 +189,65 @@ LaunchPlan backward_plan(const TripletProblem& pr) {
   return plan_backward(pr, family);
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& anchor,
-                                                const at::Tensor& positive,
-                                                const at::Tensor& negative, double margin,
-                                                double p, double eps, bool swap,
-                                                int64_t reduction) {
+struct ForwardResult {
+  at::Tensor loss, dists;
+  std::array<at::Tensor, 3> grads;  // the one pass's gradients (upstream 1), else undefined
+};
+
+// The forward. one_pass: under autograd ('mean' / 'sum'), the inputs that require grad; where
+// any does and the last backward of this problem saw an upstream gradient of 1 (or the family is
+// forced), the plan may take the one-pass family, which also writes their gradients.
+ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
+                          const at::Tensor& negative, double margin, double p, double eps,
+                          bool swap, int64_t reduction, std::array<bool, 3> one_pass) {
   check_inputs(anchor, positive, negative, p, reduction);
   const c10::cuda::CUDAGuard guard(anchor.device());
   const auto batch = anchor.sizes().slice(0, anchor.dim() - 1);
   const int64_t dim = anchor.size(-1);
   const int64_t rows = rows_of(anchor);
   const auto opts = anchor.options();
-  at::Tensor dists = at::empty({swap ? 3 : 2, rows}, opts.dtype(acc_dtype(anchor)));
-  at::Tensor loss = reduction == kNone ? at::empty(batch, opts) : at::empty({}, opts);
+  ForwardResult out;
+  out.dists = at::empty({swap ? 3 : 2, rows}, opts.dtype(acc_dtype(anchor)));
+  out.loss = reduction == kNone ? at::empty(batch, opts) : at::empty({}, opts);
   if (rows == 0) {  // torch: the mean of nothing is nan, the sum of nothing 0
-    if (reduction == kMean) loss.fill_(std::numeric_limits<double>::quiet_NaN());
-    if (reduction == kSum) loss.zero_();
-    return {loss, dists};
+    if (reduction == kMean) out.loss.fill_(std::numeric_limits<double>::quiet_NaN());
+    if (reduction == kSum) out.loss.zero_();
+    return out;
   }
   const at::Tensor a = as_rows(anchor, rows, dim);
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
   const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
-  const LaunchPlan plan = forward_plan(pr);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  bool write_grads = reduction != kNone && (one_pass[0] || one_pass[1] || one_pass[2]);
+  if (write_grads && forced_forward.load() != static_cast<int>(ForwardFamily::kOnePass)) {
+    write_grads = last_upstream_was_one(pr, reduction, anchor.get_device(), stream);
+  }
+  const LaunchPlan plan = forward_plan(pr, write_grads);
+  GradOutputs grads{nullptr, nullptr, nullptr, hinge_at_zero.load()};
+  if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
+    void** ptrs[3] = {&grads.grad_a, &grads.grad_p, &grads.grad_n};
+    for (int k = 0; k < 3; ++k) {
+      if (!one_pass[k]) continue;
+      out.grads[k] = at::empty(anchor.sizes(), opts);
+      *ptrs[k] = out.grads[k].data_ptr();
+    }
+  }
   const auto bytes = static_cast<int64_t>(forward_workspace_bytes(pr, plan, reduction));
   at::Tensor workspace = at::empty({bytes}, opts.dtype(at::kByte));
-  C10_CUDA_CHECK(launch_forward(pr, plan, reduction, loss.data_ptr(), dists.data_ptr(),
-                                workspace.data_ptr(), c10::cuda::getCurrentCUDAStream()));
-  return {loss, dists};
+  C10_CUDA_CHECK(launch_forward(pr, plan, reduction, out.loss.data_ptr(), out.dists.data_ptr(),
+                                workspace.data_ptr(), grads, stream));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& anchor,
+                                                const at::Tensor& positive,
+                                                const at::Tensor& negative, double margin,
+                                                double p, double eps, bool swap,
+                                                int64_t reduction) {
+  ForwardResult out = run_forward(anchor, positive, negative, margin, p, eps, swap, reduction,
+                                  {false, false, false});
+  return {out.loss, out.dists};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -183,12 +283,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const at::Tensor d = dists.contiguous();
   const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
   const LaunchPlan plan = backward_plan(pr);
-  C10_CUDA_CHECK(launch_backward(pr, plan, reduction, g.data_ptr(), d.data_ptr(), hinge,
-                                 output_mask[0] ? out[0].data_ptr() : nullptr,
-                                 output_mask[1] ? out[1].data_ptr() : nullptr,
-                                 output_mask[2] ? out[2].data_ptr() : nullptr,
-                                 c10::cuda::getCurrentCUDAStream()));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const BackwardInputs in{g.data_ptr(), d.data_ptr(), hinge,
+                          output_mask[0] ? out[0].data_ptr() : nullptr,
+                          output_mask[1] ? out[1].data_ptr() : nullptr,
+                          output_mask[2] ? out[2].data_ptr() : nullptr,
+                          upstream_note_for_gpu(pr, reduction, anchor.get_device(), stream)};
+  C10_CUDA_CHECK(launch_backward(pr, plan, reduction, in, stream));
   return {out[0], out[1], out[2]};
+}
+
+// The backward of a one-pass forward: its gradients (upstream 1) times the upstream gradient, in
+// place; nothing but a note when that is 1.
+void apply_upstream(const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
+                    const at::Tensor& negative, const at::Tensor& dists, double margin, double p,
+                    double eps, bool swap, int64_t reduction,
+                    const std::array<at::Tensor, 3>& grads) {
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  TORCH_CHECK(grad.device() == anchor.device() && grad.scalar_type() == anchor.scalar_type() &&
+                  grad.numel() == 1,
+              "fused_triplet: the upstream gradient must be one value of ", anchor.scalar_type(),
+              " on ", anchor.device());
+  const int64_t dim = anchor.size(-1);
+  const int64_t rows = rows_of(anchor);
+  const at::Tensor a = as_rows(anchor, rows, dim);
+  const at::Tensor pos = as_rows(positive, rows, dim);
+  const at::Tensor neg = as_rows(negative, rows, dim);
+  const at::Tensor g = grad.reshape({-1}).contiguous();
+  const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const BackwardInputs in{g.data_ptr(), dists.data_ptr(), hinge_at_zero.load(),
+                          grads[0].defined() ? grads[0].data_ptr() : nullptr,
+                          grads[1].defined() ? grads[1].data_ptr() : nullptr,
+                          grads[2].defined() ? grads[2].data_ptr() : nullptr,
+                          upstream_note_for_gpu(pr, reduction, anchor.get_device(), stream)};
+  C10_CUDA_CHECK(launch_upstream(pr, reduction, in, stream));
+}
+
+// Tensors the one pass may take directly: real CUDA tensors with no Python dispatch in the way
+// (fake and functional tensors under torch.compile, subclasses, dispatch modes take the op).
+bool plain_cuda(const at::Tensor& x) {
+  constexpr c10::DispatchKeySet kWrapped({c10::DispatchKey::Python,
+                                          c10::DispatchKey::Functionalize});
+  return x.is_cuda() && !x.key_set().has_any(kWrapped);
 }
 
 // The ops through the dispatcher (not the functions above): under torch.compile and fake
@@ -221,9 +358,21 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
                                                 const at::Tensor& positive,
                                                 const at::Tensor& negative, double margin,
                                                 double p, double eps, bool swap,
-                                                int64_t reduction) {
+                                                int64_t reduction, bool one_pass) {
     at::Tensor loss, dists;
-    {
+    if (one_pass) {  // the kernels directly: only they can hand back the gradients
+      ForwardResult out = run_forward(
+          anchor, positive, negative, margin, p, eps, swap, reduction,
+          {anchor.requires_grad(), positive.requires_grad(), negative.requires_grad()});
+      loss = out.loss;
+      dists = out.dists;
+      // Kept outside the saved variables, and dropped by the backward that returns them, so
+      // that autograd can take them as .grad without a copy.
+      const char* names[3] = {"grad_a", "grad_p", "grad_n"};
+      for (int k = 0; k < 3; ++k) {
+        if (out.grads[k].defined()) ctx->saved_data[names[k]] = out.grads[k];
+      }
+    } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       std::tie(loss, dists) =
           forward_op().call(anchor, positive, negative, margin, p, eps, swap, reduction);
@@ -243,7 +392,7 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(8);  // a, p, n; the five options get none
+    torch::autograd::variable_list out(9);  // a, p, n; the six options get none
     const at::Tensor& grad_loss = grads[0];
     if (!grad_loss.defined()) return out;
     const auto saved = ctx->get_saved_variables();
@@ -254,6 +403,16 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
     const int64_t reduction = ctx->saved_data["reduction"].toInt();
     const std::array<bool, 3> needed = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                         ctx->needs_input_grad(2)};
+    // The one pass's gradients, taken out (a second backward, retain_graph=True, takes two).
+    std::array<at::Tensor, 3> held;
+    const char* names[3] = {"grad_a", "grad_p", "grad_n"};
+    for (int k = 0; k < 3; ++k) {
+      const auto it = ctx->saved_data.find(names[k]);
+      if (it == ctx->saved_data.end()) continue;
+      held[k] = it->second.toTensor();
+      ctx->saved_data.erase(it);
+    }
+    const bool one_pass = held[0].defined() || held[1].defined() || held[2].defined();
     if (at::GradMode::is_enabled()) {
       // create_graph=True (double backward): the fused backward is not differentiable, so
       // differentiate ATen's own formula on the saved inputs; its gradients are.
@@ -272,6 +431,15 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
       }
       return out;
     }
+    if (one_pass) {
+      for (int k = 0; k < 3; ++k) {
+        if (!needed[k]) held[k] = at::Tensor();
+      }
+      apply_upstream(grad_loss, saved[0], saved[1], saved[2], saved[3], margin, p, eps, swap,
+                     reduction, held);
+      for (int k = 0; k < 3; ++k) out[k] = held[k];
+      return out;
+    }
     const auto [ga, gp, gn] =
         backward_op().call(grad_loss, saved[0], saved[1], saved[2], saved[3], margin, p, eps,
                            swap, reduction, hinge_at_zero.load(), needed);
@@ -287,8 +455,15 @@ std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor& anchor,
                                                     const at::Tensor& negative, double margin,
                                                     double p, double eps, bool swap,
                                                     int64_t reduction) {
+  // One pass possible: gradients will be wanted ('mean' / 'sum', autograd recording) and the
+  // tensors are plain CUDA ones with no dispatch mode to see the op.
+  const bool one_pass =
+      reduction != kNone && at::GradMode::is_enabled() &&
+      (anchor.requires_grad() || positive.requires_grad() || negative.requires_grad()) &&
+      plain_cuda(anchor) && plain_cuda(positive) && plain_cuda(negative) &&
+      c10::impl::TorchDispatchModeTLS::stack_len() == 0;
   auto out = TripletMarginLossFunction::apply(anchor, positive, negative, margin, p, eps, swap,
-                                              reduction);
+                                              reduction, one_pass);
   return {out[0], out[1]};
 }
 
@@ -309,7 +484,8 @@ std::string describe_plans(const at::Tensor& anchor, const at::Tensor& positive,
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
   const TripletProblem pr = make_problem(a, pos, neg, 1.0, p, 1e-6, swap);
-  return "forward " + describe_plan(forward_plan(pr), true) + "; backward " +
+  return "forward " + describe_plan(forward_plan(pr, false), true) + "; training " +
+         describe_plan(forward_plan(pr, true), true) + "; backward " +
          describe_plan(backward_plan(pr), false);
 }
 
@@ -333,8 +509,9 @@ TORCH_LIBRARY(fused_triplet, m) {
       "int reduction, bool hinge_at_zero, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // Set once when the library loads, from a probe of the installed torch.
   m.def("set_hinge_at_zero(bool value) -> ()", &fused_triplet::set_hinge_at_zero);
-  // Tests: launch these kernel families (forward 0 rows, 1 ring; backward 0 rows, 1 pointwise;
-  // -1 the plan's), and describe what the plans pick.
+  // Tests: launch these kernel families (forward 0 rows, 1 ring, 2 one pass (training calls,
+  // whatever the last upstream gradient); backward 0 rows, 1 pointwise; -1 the plan's), and
+  // describe what the plans pick (forward, training forward if gradients wanted, backward).
   m.def("force_families(int forward, int backward) -> ()", &fused_triplet::force_families);
   m.def("describe_plans(Tensor anchor, Tensor positive, Tensor negative, float p, bool swap) -> str");
 }

@@ -47,7 +47,8 @@ def main() -> int:
                         help="another checkout's root folder, as FOLDER or NAME=FOLDER")
     parser.add_argument("--shapes", default=bench.SWEEP_SHAPES)
     parser.add_argument("--dtypes", default="fp32,bf16")
-    parser.add_argument("--modes", default="forward,fwd+bwd")
+    parser.add_argument("--modes", default="forward,fwd+bwd",
+                        help="forward, fwd+bwd (loss.backward()), weighted ((0.5 * loss).backward())")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--compile", action="store_true", help="time torch.compile as well")
     parser.add_argument("--json", metavar="PATH")
@@ -102,11 +103,14 @@ def main() -> int:
                 else:
                     inputs = [x.requires_grad_() for x in inputs]
 
+                    weight = 0.5 if mode == "weighted" else 1.0
+
                     def step_of(module):
                         def step(*xs):
                             for x in xs:
                                 x.grad = None
-                            module(*xs).backward()
+                            loss = module(*xs)
+                            (loss if weight == 1.0 else weight * loss).backward()
                         return step
                     fns = {name: step_of(m) for name, m in modules.items()}
                     ctx = torch.enable_grad

@@ -2,8 +2,8 @@
 
 First what the plans pick: teams of 8, 32 and 256 threads, split rows and the finishing kernel,
 the unaligned (scalar) path, every norm kind, swap, each reduction, forward and backward. Then
-each family forced where it can run (forward rows and ring; backward rows and pointwise), p = 2
-and 1: contiguous, strided and split rows, whole fp16/bf16 rows (the ring's 4 KiB chunks), a row
+each family forced where it can run (forward rows and ring; backward rows and pointwise; the
+one-pass training forward with its in-place backward), p = 2 and 1, upstream gradients 1 and 0.5: contiguous, strided and split rows, whole fp16/bf16 rows (the ring's 4 KiB chunks), a row
 whose last chunk is 16 bytes, a short last slice.
 """
 import math
@@ -31,8 +31,9 @@ def can_run(xs, pnorm):
 def step(xs, **kw):
     for reduction in ("none", "mean", "sum"):
         ft.triplet_margin_loss(*xs, reduction=reduction, **kw)
-    leaves = [x.detach().requires_grad_() for x in xs]
-    ft.triplet_margin_loss(*leaves, **kw).backward()
+    for weight in (1.0, 0.5):  # the one pass's backward: nothing to apply, and in place
+        leaves = [x.detach().requires_grad_() for x in xs]
+        (weight * ft.triplet_margin_loss(*leaves, **kw)).backward()
 
 
 for shape in [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)]:
@@ -49,7 +50,7 @@ cases += [((4200, 1024), 1024, torch.float32), ((1500, 3000), 3008, torch.float3
 cases += [((4, 8192), 8192, d) for d in (torch.bfloat16, torch.float16)]
 cases += [((4, 4104), 4104, torch.bfloat16), ((3, 20000), 20000, torch.bfloat16),
           ((64, 2048), 2048, torch.float64)]
-for forward, backward in ((0, 0), (1, 1)):
+for forward, backward in ((0, 0), (1, 1), (2, -1)):
     ops.force_families(forward, backward)
     for shape, width, dtype in cases:
         xs = [torch.rand(shape[0], width, device="cuda", dtype=dtype)[:, :shape[1]]

@@ -1,7 +1,8 @@
 """Seeded fuzz of the public API against torch and a float64 reference.
 
 Shapes (B = 0 and 1, D = 1 and odd), layouts (row-stride views, storage offsets, broadcast rows,
-column-major), dtypes and every option. The default run is quick; for the long run:
+column-major), dtypes and every option; backwards with upstream gradients of 1 and others, and
+with some inputs not requiring grad. The default run is quick; for the long run:
 
     FUSED_TRIPLET_FUZZ_CASES=10000 python -m pytest tests/test_fuzz.py -q
 """
@@ -30,6 +31,11 @@ def make_case(rng: random.Random, device: str):
     opts = dict(margin=rng.choice([0.1, 1.0, 3.0]), eps=rng.choice([0.0, 1e-6, 1e-2]),
                 p=rng.choice([2.0, 2.0, 1.0, math.inf, -math.inf, 0.0, 3.0, 1.5, 0.5]),
                 swap=rng.random() < 0.5, reduction=rng.choice(["none", "mean", "sum"]))
+    # The backward's upstream gradient (1 as loss.backward() sends it, or a weight) and which
+    # inputs require grad (at least one).
+    opts["upstream"] = rng.choice([1.0, 1.0, 0.5, -2.0, 3.0])
+    opts["requires"] = rng.choice([(True, True, True), (True, True, True), (True, False, False),
+                                   (False, True, True), (True, False, True), (False, False, True)])
     g = torch.Generator(device=device).manual_seed(rng.randrange(1 << 30))
 
     def tensor():
@@ -61,7 +67,12 @@ def fp64_bound(a, p, n, opts):
     return losses, scale
 
 
+def loss_options(opts):
+    return {k: v for k, v in opts.items() if k not in ("upstream", "requires")}
+
+
 def check_forward(inputs, opts):
+    opts = loss_options(opts)
     ours = ft.triplet_margin_loss(*inputs, **opts)
     theirs = F.triplet_margin_loss(*inputs, **opts)
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
@@ -87,11 +98,15 @@ def check_backward(inputs, opts):
     decisively on or off (a hinge within rounding of 0 may legitimately go either way)."""
     if inputs[0].dtype not in (torch.float32, torch.float64) or opts["p"] in (0.0, -math.inf):
         return
-    xs = [x.detach().clone().requires_grad_() for x in inputs]
-    out = ft.triplet_margin_loss(*xs, **opts)
-    out.sum().backward()
+    upstream, requires, opts = opts["upstream"], opts["requires"], loss_options(opts)
+
+    def backward(out):
+        (out.sum() if upstream == 1.0 else (upstream * out).sum()).backward()
+
+    xs = [x.detach().clone().requires_grad_(r) for x, r in zip(inputs, requires)]
+    backward(ft.triplet_margin_loss(*xs, **opts))
     refs = [x.detach().double().requires_grad_() for x in inputs]
-    F.triplet_margin_loss(*refs, **opts).sum().backward()
+    backward(F.triplet_margin_loss(*refs, **opts))
     _, scale = fp64_bound(*inputs, {**opts, "reduction": "none"})
     a64, p64, n64 = (x.detach().double() for x in inputs)
     d_ap = ft._pairwise_distance(a64, p64, opts["p"], opts["eps"])
@@ -104,8 +119,11 @@ def check_backward(inputs, opts):
     # ill-conditioned where u = x - y + eps is within rounding of 0, and there no result at the
     # input dtype is within tol of float64 (eps itself rounds); we must then be as close as torch.
     ts = [x.detach().clone().requires_grad_() for x in inputs]
-    F.triplet_margin_loss(*ts, **opts).sum().backward()
+    backward(F.triplet_margin_loss(*ts, **opts))
     for x, r, t in zip(xs, refs, ts):
+        if not x.requires_grad:
+            assert x.grad is None
+            continue
         g, rg, tg = x.grad.double(), r.grad, t.grad.double()
         if g.shape[0] == decisive.numel():
             g, rg, tg = g[decisive], rg[decisive], tg[decisive]
