@@ -31,9 +31,9 @@
 // distances, so forward_one_pass_kernel writes it as if the upstream gradient were 1 while it
 // still holds the row (6.44 GB at (32768, 8192) fp32 instead of 9.66). The backward then only
 // applies the upstream gradient, in place (backward_rows_kernel's in_place mode; nothing when it
-// is 1). Float and bfloat16 gradients are therefore always upstream x (the local gradient,
-// rounded), in every path, so that every path gives the same bits. Each backward notes whether
-// its upstream gradient was 1 (upstream_flag, host memory); the next forward reads the note.
+// is 1). Float and bfloat16 'mean' / 'sum' gradients are therefore upstream x (the local
+// gradient, rounded) in every path, so that every path gives the same bits. Each backward notes
+// whether its upstream gradient was 1 (upstream_flag, host memory); the next forward reads it.
 #include "triplet_launch.h"
 #include "triplet_device.cuh"
 
@@ -449,9 +449,10 @@ struct BackwardArgs {
   bool in_place;          // grad_a/p/n hold the one pass's gradients: apply the upstream one
 };
 
-// The types the one-pass forward takes. Their gradients are upstream x (the local gradient,
-// rounded to T) in every path, so that the paths give the same bits. fp16 stays upstream-first:
-// a 'mean' gradient can lie below fp16's normal range until GradScaler's scale reaches it.
+// The types the one-pass forward takes. Their 'mean' / 'sum' gradients are upstream x (the
+// local gradient, rounded to T) in every path, so that the paths give the same bits. fp16 stays
+// upstream-first: a 'mean' gradient can lie below fp16's normal range until GradScaler's scale
+// reaches it.
 template <typename T>
 constexpr bool kUpstreamLast = std::is_same<T, float>::value || std::is_same<T, __nv_bfloat16>::value;
 
@@ -636,16 +637,20 @@ struct RowGrad {
 };
 
 // A row's RowGrad in the backward: distances from the forward, the upstream gradient given.
+// Last for the types and reductions the one pass takes ('mean' / 'sum': grad_stride 0), first
+// otherwise (one rounding: per-row upstream gradients of 'none' in bf16 were less accurate
+// than torch's, applied last).
 template <typename T, NormKind K>
 __device__ __forceinline__ RowGrad<T, K> backward_row_grad(const BackwardArgs<T>& args,
                                                            int64_t row, bool swap) {
   using A = acc_t<T>;
   const A upstream = to_acc(args.grad[row * args.grad_stride]);
   const A d_pn = swap ? args.dists[2 * args.rows + row] : A(0);
-  const A first = kUpstreamLast<T> ? args.grad_scale : upstream * args.grad_scale;
+  const bool last = kUpstreamLast<T> && args.grad_stride == 0;
   return RowGrad<T, K>(args.norm, args.eps, args.margin, swap, args.hinge_at_zero,
-                       args.dists[row], args.dists[args.rows + row], d_pn, first,
-                       kUpstreamLast<T> ? upstream : A(1));
+                       args.dists[row], args.dists[args.rows + row], d_pn,
+                       last ? args.grad_scale : upstream * args.grad_scale,
+                       last ? upstream : A(1));
 }
 
 // The backward of the one pass ('mean' / 'sum', gradients as forward_one_pass_kernel wrote
