@@ -262,8 +262,8 @@ def merge(paths, json_path, plot_path):
         plot(rows, plot_path, metas[0].get("gpu", "GPU") if metas else "GPU")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"meta": {"merged_from": list(paths), "parts": metas}, "results": rows}, f,
-                      indent=1)
+            meta = {**(metas[0] if metas else {}), "parts": metas}  # gpu, torch, date: the first's
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
     return 0
 
 
