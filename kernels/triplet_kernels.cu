@@ -171,18 +171,18 @@ __device__ __forceinline__ void finish_row(const ForwardArgs<T>& args, const N& 
   loss_sum += loss;
 }
 
-// What a unit (a row, or one slice of a split row) leaves once reduced. splits: the launch's
-// slices per row (a compile-time 1 where it never splits rows: the code for slices goes).
-template <typename T, typename N>
+// What a unit (a row, or one slice of a split row) leaves once reduced. kWholeRows: the launch
+// never splits rows (the code for slices compiles away).
+template <bool kWholeRows = false, typename T, typename N>
 __device__ __forceinline__ void write_unit(const ForwardArgs<T>& args, const N& norm,
-                                           const RowSums<sum_t<T>>& s, int64_t splits,
-                                           int64_t row, int64_t slice, sum_t<T>& loss_sum) {
-  if (splits == 1) {
+                                           const RowSums<sum_t<T>>& s, int64_t row, int64_t slice,
+                                           sum_t<T>& loss_sum) {
+  if (kWholeRows || args.splits == 1) {
     finish_row(args, norm, s, row, loss_sum);
     return;
   }
-  const int64_t count = args.rows * splits;
-  const int64_t at = row * splits + slice;
+  const int64_t count = args.rows * args.splits;
+  const int64_t at = row * args.splits + slice;
   args.partials[at] = s.ap;
   args.partials[count + at] = s.an;
   args.partials[2 * count + at] = s.pn;
@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kBlockThreads, kRowsMinBlocks<T, kTPR>)
                                           min(args.split_elems, args.dim - first), lane, s);
     }
     s = team_reduce(s, tpr, norm, smem_rows);
-    if (row < args.rows && lane == 0) write_unit(args, norm, s, splits, row, slice, loss_sum);
+    if (row < args.rows && lane == 0) write_unit<kTPR != 0>(args, norm, s, row, slice, loss_sum);
   }
   write_block_sum(args, lane, loss_sum);
 }
@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kBlockThreads) forward_ring_kernel(const Forwa
       if (threadIdx.x == 0) issue_next();
     }
     s = team_reduce(s, kBlockThreads, norm, smem_rows);
-    if (threadIdx.x == 0) write_unit(args, norm, s, args.splits, row, slice, loss_sum);
+    if (threadIdx.x == 0) write_unit(args, norm, s, row, slice, loss_sum);
   }
   if (args.block_sums != nullptr && threadIdx.x == 0) args.block_sums[blockIdx.x] = loss_sum;
 #endif
