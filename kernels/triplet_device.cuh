@@ -6,6 +6,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -297,6 +298,21 @@ struct RingBarrier {
 #endif
   }
 };
+
+// A tile of `map` (a tensor map over (rows, dim) elements: a box of rows x columns) at column
+// `col` of row `row` -> shared memory at dst (128-byte aligned), row after row; it completes its
+// bytes (the whole box: parts outside the tensor are zeros) on `bar`.
+__device__ __forceinline__ void copy_tile(const RingBarrier& bar, void* dst, const CUtensorMap* map,
+                                          int32_t col, int32_t row) {
+#ifdef FUSED_TRIPLET_HAS_BULK_COPY
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row),
+        "r"(smem_u32(bar.bar))
+      : "memory");
+#endif
+}
 
 // ---- chained follow-up launches (sm_90 programmatic dependent launch) ---------------------------
 // The forward's one-block finishing kernel is scheduled once every block of the main grid has

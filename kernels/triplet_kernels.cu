@@ -7,7 +7,8 @@
 // sums in a fixed order ('mean' / 'sum') and, for rows split into column slices, first combines
 // the slices. No atomics: the same inputs always give the same bits.
 //   forward_rows_kernel   register loads; teams of 8, 32 or 256 threads per row; any layout.
-//   forward_ring_kernel   sm_90: the copy engine streams rows of >= 8 KiB through shared memory.
+//   forward_ring_kernel   sm_90: the copy engine streams the rows through shared memory (rows of
+//                         >= 8 KiB; float32 inputs of >= 256 MiB in tiles of row groups).
 //   forward_finish_kernel slices -> distances and losses; block sums -> 'mean' / 'sum'.
 //   forward_one_pass_kernel training: the rows kernel's loads kept in registers, then the
 //                         gradients for an upstream gradient of 1 (see "One pass" below).
@@ -37,9 +38,12 @@
 #include "triplet_launch.h"
 #include "triplet_device.cuh"
 
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <climits>
 #include <string>
 #include <type_traits>
 
@@ -65,17 +69,22 @@ constexpr int64_t kSplitBlocks = 512;
 constexpr int64_t kMinSliceBytes = 32 * 1024;
 // Past this many blocks a kernel's blocks loop over units; bounds the block-sum buffer too.
 constexpr int64_t kMaxGrid = int64_t(1) << 20;
-// The forward ring from rows of 8 KiB (sm_90, 16-byte aligned): (32768, 8192) fp32 0.7146 ms
-// against 0.7456 with register loads, bf16 0.3699 against 0.3856. Shorter contiguous rows, several
-// whole rows per chunk, lost to register loads at every size tried (65536 x 1024 fp32 0.2194 ms
-// against 0.1988, 65536 x 768 bf16 0.0988 against 0.0876).
+// The forward ring for whole-block teams from rows of 8 KiB (sm_90, 16-byte aligned): (32768,
+// 8192) fp32 0.7146 ms against 0.7456 with register loads, bf16 0.3699 against 0.3856.
 constexpr int64_t kRingMinRowBytes = 8192;
+// Teams of 8 and 32 (float32) from 256 MiB per input, rows a whole number of stages: (65536, 1024)
+// 0.1941 ms against 0.2002, (262144, 256) 0.1979 against 0.2023, (32768, 2048) 0.1944 against
+// 0.2042; at 128 MiB even, at 64 MiB 7% slower, rows ending mid-stage ((131072, 384)) 31% slower.
+constexpr int64_t kRingTilesMinInputBytes = int64_t(256) << 20;
 // 4 stages x 3 inputs x 8 KiB = 96 KiB: 2 blocks per SM (rings of 1 block per SM: 13-50% slower).
 // 2-byte whole rows take 4 KiB chunks: a bf16 row of 8192 is only 2 chunks of 8 KiB, and each
 // block's ring ran dry at each row's end ((32768, 8192) bf16 0.3700 ms against 0.4005).
 constexpr int kRingStages = 4;
 constexpr int kRingChunkBytes = 8192;
 constexpr int kRingChunkBytesShortElems = 4096;
+// Smaller teams take each stage as one tile (rows x columns) of each input; a tile's row is at
+// most 256 elements (the copy engine's limit).
+constexpr int64_t kTileMaxCols = 256;
 // The pointwise backward as Triton's: 128-thread blocks, 2 packs of each input per thread, all
 // loads first ((4096, 512) bf16 fwd+bwd 0.0208 ms against 0.0221 with 1 pack).
 constexpr int kPointwiseThreads = 128;
@@ -185,12 +194,17 @@ __device__ __forceinline__ void write_unit(const ForwardArgs<T>& args, const N& 
 }
 
 // The end of a forward block: lane 0 of each team holds its rows' loss sum; their sum in a fixed
-// order is the block's.
-template <typename T>
+// order is the block's (kTPR: the team size when compiled in; a whole-block team's thread 0
+// holds it).
+template <int kTPR, typename T>
 __device__ __forceinline__ void write_block_sum(const ForwardArgs<T>& args, int lane,
                                                 sum_t<T> loss_sum) {
   __shared__ sum_t<T> smem_sum[kBlockThreads / 32];
   if (args.block_sums == nullptr) return;  // uniform
+  if (kTPR == kBlockThreads) {
+    if (threadIdx.x == 0) args.block_sums[blockIdx.x] = loss_sum;
+    return;
+  }
   const sum_t<T> total = block_sum<kBlockThreads>(lane == 0 ? loss_sum : sum_t<T>(0), smem_sum);
   if (threadIdx.x == 0) args.block_sums[blockIdx.x] = total;
 }
@@ -294,15 +308,27 @@ __global__ void __launch_bounds__(kBlockThreads, kRowsMinBlocks<T, kTPR>)
     s = team_reduce(s, tpr, norm, smem_rows);
     if (row < args.rows && lane == 0) write_unit<kTPR != 0>(args, norm, s, row, slice, loss_sum);
   }
-  write_block_sum(args, lane, loss_sum);
+  write_block_sum<kTPR>(args, lane, loss_sum);
 }
 
-// Long aligned rows (sm_90): the copy engine streams each unit (a row or one slice of it) through a
-// ring of kRingStages shared-memory stages, one chunk of each input per stage, so memory sees few
-// large requests and no registers hold data in flight. The whole block works on each stage; a
-// thread takes packs t, t + 256, ... of each chunk, the rows kernel's packs for a team of 256.
-template <typename T, NormKind K, bool kSwap>
-__global__ void __launch_bounds__(kBlockThreads) forward_ring_kernel(const ForwardArgs<T> args) {
+// Tensor maps of a, p and n for the ring's row groups: one copy per input and stage brings each
+// row's next segment (a box of rows x segment elements).
+struct RingTiles {
+  CUtensorMap a, p, n;
+};
+
+// Aligned rows (sm_90): the copy engine streams each unit (a row group, or one slice of a row)
+// through a ring of kRingStages shared-memory stages, so memory sees few large requests and no
+// registers hold data in flight. A stage holds, for each row of the group, the next
+// chunk_bytes / rows-per-group bytes of each input (whole-block teams: one copy of each input;
+// smaller teams: one tile of each, `tiles`). Every thread takes its next packs of its row there,
+// at lane, lane + tpr, ...: the rows kernel's packs in the rows kernel's order.
+// kTiles: teams of 8 or 32, float32 only (a bf16 warp's stage segment is over the copy engine's
+// 256 elements, and (262144, 256) bf16 in teams of 8 ran 0.1236 ms against 0.1078 with register
+// loads); else whole-block teams (tpr = the block), one row or slice per unit.
+template <typename T, NormKind K, bool kSwap, bool kTiles>
+__global__ void __launch_bounds__(kBlockThreads)
+    forward_ring_kernel(const ForwardArgs<T> args, const __grid_constant__ RingTiles tiles) {
 #ifndef FUSED_TRIPLET_HAS_BULK_COPY
   __trap();  // the plan takes this kernel only on sm_90+
 #else
@@ -313,50 +339,63 @@ __global__ void __launch_bounds__(kBlockThreads) forward_ring_kernel(const Forwa
   __shared__ __align__(8) uint64_t full[kRingStages];          // a stage's copies have landed
   __shared__ RowSums<S> smem_rows[kBlockThreads / 32];
   const Norm<T, K> norm(args.norm);
-  const int64_t chunk_elems = args.chunk_bytes / static_cast<int>(sizeof(T));
+  const int tpr = kTiles ? args.tpr : kBlockThreads;
+  const int team = threadIdx.x / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int rows_per_unit = kBlockThreads / tpr;
   const int chunk_packs = args.chunk_bytes / kVecBytes;
-  const int64_t per_unit = (args.split_elems + chunk_elems - 1) / chunk_elems;  // chunks
+  const int segment_packs = chunk_packs / rows_per_unit;  // of each row per stage
+  const int segment_elems = segment_packs * kVec;
+  const int64_t per_unit = (args.split_elems + segment_elems - 1) / segment_elems;  // stages
 
-  // Thread 0 starts the copies of the block's chunks in order, chunk k of unit `unit` next. A row's
-  // short last slice has empty chunks: their stage completes on the arrival alone.
+  // Thread 0 starts the copies of the block's stages in order, segment k of unit `unit` next. A
+  // slice's short last segment can be empty: its stage completes on the arrival alone.
   int64_t next_unit = blockIdx.x, next_k = 0, issued = 0;
   auto issue_next = [&]() {
     if (next_unit >= args.units) return;
     const int stage = static_cast<int>(issued % kRingStages);
     const RingBarrier bar{&full[stage]};
-    const int64_t row = split_group(next_unit, args.splits);
-    const int64_t first = (next_unit - row * args.splits) * args.split_elems;
-    const int64_t end = min(first + args.split_elems, args.dim);
-    const int64_t col = first + next_k * chunk_elems;
-    const uint32_t bytes = static_cast<uint32_t>(max(int64_t(0), min(chunk_elems, end - col)) * sizeof(T));
+    const int64_t group = split_group(next_unit, args.splits);
+    const int64_t first = (next_unit - group * args.splits) * args.split_elems;
+    const int64_t col = first + next_k * segment_elems;
     ++issued;
     if (++next_k == per_unit) {
       next_k = 0;
       next_unit += gridDim.x;
     }
+    unsigned char* dst = stage_mem + stage * 3 * args.chunk_bytes;
+    if (kTiles) {  // whole boxes, zeros past the last row or column
+      bar.expect(3 * args.chunk_bytes);
+      const int32_t row = static_cast<int32_t>(group * rows_per_unit);
+      copy_tile(bar, dst, &tiles.a, static_cast<int32_t>(col), row);
+      copy_tile(bar, dst + args.chunk_bytes, &tiles.p, static_cast<int32_t>(col), row);
+      copy_tile(bar, dst + 2 * args.chunk_bytes, &tiles.n, static_cast<int32_t>(col), row);
+      return;
+    }
+    const int64_t end = min(first + args.split_elems, args.dim);
+    const uint32_t bytes =
+        static_cast<uint32_t>(max(int64_t(0), min(int64_t(segment_elems), end - col)) * sizeof(T));
     if (bytes == 0) {
       bar.arrive();
       return;
     }
-    unsigned char* dst = stage_mem + stage * 3 * args.chunk_bytes;
     bar.expect(3 * bytes);
-    bar.copy(dst, args.a + row * args.stride_a + col, bytes);
-    bar.copy(dst + args.chunk_bytes, args.p + row * args.stride_p + col, bytes);
-    bar.copy(dst + 2 * args.chunk_bytes, args.n + row * args.stride_n + col, bytes);
+    bar.copy(dst, args.a + group * args.stride_a + col, bytes);
+    bar.copy(dst + args.chunk_bytes, args.p + group * args.stride_p + col, bytes);
+    bar.copy(dst + 2 * args.chunk_bytes, args.n + group * args.stride_n + col, bytes);
   };
   if (threadIdx.x == 0) {
     for (int st = 0; st < kRingStages; ++st) RingBarrier{&full[st]}.init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
     for (int st = 0; st < kRingStages; ++st) issue_next();
   }
+  __syncthreads();  // the barriers are initialised
 
   S loss_sum = S(0);
-  int64_t c = 0;  // the block's chunks, unit by unit
+  int64_t c = 0;  // the block's stages, unit by unit
   for (int64_t unit = blockIdx.x; unit < args.units; unit += gridDim.x) {
-    const int64_t row = split_group(unit, args.splits);
-    const int64_t slice = unit - row * args.splits;
+    const int64_t group = split_group(unit, args.splits);
+    const int64_t slice = unit - group * args.splits;
+    const int64_t row = group * rows_per_unit + team;
     const int64_t first = slice * args.split_elems;
     const int64_t end = min(first + args.split_elems, args.dim);
     RowSums<S> s{norm.identity(), norm.identity(), norm.identity()};
@@ -364,20 +403,23 @@ __global__ void __launch_bounds__(kBlockThreads) forward_ring_kernel(const Forwa
       const int stage = static_cast<int>(c % kRingStages);
       RingBarrier{&full[stage]}.wait(static_cast<uint32_t>((c / kRingStages) & 1));
       // As 16-byte words: a byte pointer at a run-time offset would be read byte by byte.
-      const uint4* in = reinterpret_cast<const uint4*>(stage_mem) + stage * 3 * chunk_packs;
-      const int64_t col = first + k * chunk_elems;
-      const int packs = static_cast<int>(max(int64_t(0), min(chunk_elems, end - col)) / kVec);
-      for (int v = threadIdx.x; v < packs; v += kBlockThreads) {
+      const uint4* in = reinterpret_cast<const uint4*>(stage_mem) + stage * 3 * chunk_packs +
+                        team * segment_packs;
+      const int64_t col = first + k * segment_elems;
+      const int packs = row < args.rows
+                            ? static_cast<int>(max(int64_t(0), min(int64_t(segment_elems), end - col)) / kVec)
+                            : 0;
+      for (int v = lane; v < packs; v += tpr) {
         accumulate_packs(norm, s, as_pack<T>(in[v]), as_pack<T>(in[chunk_packs + v]),
                          as_pack<T>(in[2 * chunk_packs + v]), args.eps, kSwap);
       }
-      __syncthreads();  // every thread is done with the stage: it takes chunk c + kRingStages
+      __syncthreads();  // every thread is done with the stage: it takes stage c + kRingStages
       if (threadIdx.x == 0) issue_next();
     }
-    s = team_reduce(s, kBlockThreads, norm, smem_rows);
-    if (threadIdx.x == 0) write_unit(args, norm, s, row, slice, loss_sum);
+    s = team_reduce(s, tpr, norm, smem_rows);
+    if (row < args.rows && lane == 0) write_unit(args, norm, s, row, slice, loss_sum);
   }
-  if (args.block_sums != nullptr && threadIdx.x == 0) args.block_sums[blockIdx.x] = loss_sum;
+  write_block_sum<kTiles ? 0 : kBlockThreads>(args, lane, loss_sum);
 #endif
 }
 
@@ -892,7 +934,7 @@ __global__ void __launch_bounds__(kBlockThreads, kOnePassMinBlocks)
                     as_pack<T>(held_n[j * kBlockThreads]));
     }
   }
-  write_block_sum(args, lane, loss_sum);
+  write_block_sum<0>(args, lane, loss_sum);
 }
 
 // ==== The plans ====================================================================================
@@ -974,6 +1016,23 @@ LaunchPlan row_geometry(const TripletProblem& pr) {
   return plan;
 }
 
+// Bytes of each input per ring stage.
+int ring_chunk_bytes(const TripletProblem& pr, const LaunchPlan& geometry) {
+  const bool whole_long_rows = geometry.splits == 1 && geometry.threads_per_row == kBlockThreads;
+  return element_size(pr.dtype) == 2 && whole_long_rows ? kRingChunkBytesShortElems
+                                                        : kRingChunkBytes;
+}
+
+// Where the ring beats register loads (the table's thresholds; forward_family_unfit says where
+// it can run).
+bool ring_pays(const TripletProblem& pr, const LaunchPlan& geometry) {
+  const int64_t row_bytes = pr.dim * element_size(pr.dtype);
+  if (geometry.threads_per_row == kBlockThreads) return row_bytes >= kRingMinRowBytes;
+  const int64_t segment_bytes =
+      ring_chunk_bytes(pr, geometry) / (kBlockThreads / geometry.threads_per_row);
+  return pr.rows * row_bytes >= kRingTilesMinInputBytes && row_bytes % segment_bytes == 0;
+}
+
 }  // namespace
 
 const char* forward_family_unfit(const TripletProblem& pr, ForwardFamily family) {
@@ -982,7 +1041,20 @@ const char* forward_family_unfit(const TripletProblem& pr, ForwardFamily family)
     if (norm_kind(pr.p_norm) == NormKind::kOther) return "the ring takes p = 1 or 2 (pow, not memory, bounds the rest)";
     if (pr.dtype == DType::kDouble) return "the ring takes 2- and 4-byte elements (float64 takes register loads)";
     if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the ring needs 16-byte aligned rows";
-    if (row_geometry(pr).threads_per_row != kBlockThreads) return "the ring needs whole-block teams";
+    const LaunchPlan rows = row_geometry(pr);
+    if (rows.threads_per_row < kBlockThreads) {
+      if (pr.dtype != DType::kFloat) return "the ring takes teams of 8 or 32 for float32 only";
+      if (pr.dim == 0) return "the ring's tiles need elements";
+      if (ring_chunk_bytes(pr, rows) / (kBlockThreads / rows.threads_per_row) /
+              element_size(pr.dtype) > kTileMaxCols) {
+        return "the ring's tiles take rows of at most 256 elements per stage";
+      }
+      const int64_t strides[3] = {pr.stride_a, pr.stride_p, pr.stride_n};
+      for (int64_t stride : strides) {
+        if (stride < pr.dim) return "the ring's tiles need rows that do not overlap";
+      }
+      if (pr.rows > INT32_MAX || pr.dim > INT32_MAX) return "the ring's tiles take 32-bit coordinates";
+    }
   }
   if (family == ForwardFamily::kOnePass) {
     if (pr.dtype != DType::kFloat && pr.dtype != DType::kBFloat16) return "the onepass forward takes float32 and bfloat16";
@@ -1014,24 +1086,21 @@ LaunchPlan plan_forward(const TripletProblem& pr, ForwardFamily forced, bool wri
   ForwardFamily family = forced;
   plan.reason = "forced";
   if (family == ForwardFamily::kAuto) {
-    const bool long_rows = pr.dim * element_size(pr.dtype) >= kRingMinRowBytes;
     if (write_grads && !forward_family_unfit(pr, ForwardFamily::kOnePass)) {
       family = ForwardFamily::kOnePass;
       plan.reason = "training: each thread holds its packs of the row";
-    } else if (long_rows && !forward_family_unfit(pr, ForwardFamily::kRing)) {
+    } else if (ring_pays(pr, plan) && !forward_family_unfit(pr, ForwardFamily::kRing)) {
       family = ForwardFamily::kRing;
-      plan.reason = "aligned rows of >= 8 KiB on sm_90";
+      plan.reason = plan.threads_per_row == kBlockThreads
+                        ? "aligned rows of >= 8 KiB on sm_90"
+                        : "float32 rows of whole stages, >= 256 MiB per input, on sm_90";
     } else {
       family = ForwardFamily::kRows;
       plan.reason = "register loads: every other input";
     }
   }
   plan.family = static_cast<int>(family);
-  if (family == ForwardFamily::kRing) {
-    plan.ring_chunk_bytes = element_size(pr.dtype) == 2 && plan.splits == 1
-                                ? kRingChunkBytesShortElems
-                                : kRingChunkBytes;
-  }
+  if (family == ForwardFamily::kRing) plan.ring_chunk_bytes = ring_chunk_bytes(pr, plan);
   return plan;
 }
 
@@ -1120,6 +1189,45 @@ cudaError_t allow_shared_memory(int bytes) {
   return err;
 }
 
+// The driver's tensor-map encoder, looked up once (so the library does not link libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encoder;
+}
+
+// The ring's tiles: each input as (rows, dim) elements, boxes of a row group's rows x one stage's
+// segment of each row.
+cudaError_t encode_ring_tiles(RingTiles& tiles, const TripletProblem& pr, const LaunchPlan& plan) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const int size = element_size(pr.dtype);
+  const int rows_per_unit = kBlockThreads / plan.threads_per_row;
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(plan.ring_chunk_bytes / rows_per_unit / size),
+                             static_cast<cuuint32_t>(rows_per_unit)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(pr.dim), static_cast<cuuint64_t>(pr.rows)};
+  const struct { CUtensorMap* map; const void* base; int64_t stride; } inputs[3] = {
+      {&tiles.a, pr.a, pr.stride_a}, {&tiles.p, pr.p, pr.stride_p}, {&tiles.n, pr.n, pr.stride_n}};
+  for (const auto& in : inputs) {
+    const cuuint64_t stride_bytes[1] = {static_cast<cuuint64_t>(std::max(in.stride, pr.dim) * size)};
+    const CUresult r = encode(in.map, size == 2 ? CU_TENSOR_MAP_DATA_TYPE_UINT16 : CU_TENSOR_MAP_DATA_TYPE_UINT32,
+                              2, const_cast<void*>(in.base), dims, stride_bytes, box, element_strides,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
 template <typename Args>
 void fill_rows(Args& args, const TripletProblem& pr, const LaunchPlan& plan) {
   using T = typename std::remove_const<typename std::remove_pointer<decltype(args.a)>::type>::type;
@@ -1185,9 +1293,20 @@ cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int
         if constexpr (K != NormKind::kOther && !std::is_same<T, double>::value) {
           if (plan.family == static_cast<int>(ForwardFamily::kRing)) {
             const int smem = kRingStages * 3 * plan.ring_chunk_bytes;  // above the 48 KiB default
-            err = allow_shared_memory<forward_ring_kernel<T, K, kSwap>>(smem);
+            RingTiles tiles{};
+            if constexpr (std::is_same<T, float>::value) {
+              if (plan.threads_per_row < kBlockThreads) {
+                err = encode_ring_tiles(tiles, pr, plan);
+                if (err == cudaSuccess) err = allow_shared_memory<forward_ring_kernel<T, K, kSwap, true>>(smem);
+                if (err == cudaSuccess) {
+                  forward_ring_kernel<T, K, kSwap, true><<<plan.grid, kBlockThreads, smem, stream>>>(args, tiles);
+                }
+                return;
+              }
+            }
+            err = allow_shared_memory<forward_ring_kernel<T, K, kSwap, false>>(smem);
             if (err == cudaSuccess) {
-              forward_ring_kernel<T, K, kSwap><<<plan.grid, kBlockThreads, smem, stream>>>(args);
+              forward_ring_kernel<T, K, kSwap, false><<<plan.grid, kBlockThreads, smem, stream>>>(args, tiles);
             }
             return;
           }

@@ -4,7 +4,8 @@ First what the plans pick: teams of 8, 32 and 256 threads, split rows and the fi
 the unaligned (scalar) path, every norm kind, swap, each reduction, forward and backward. Then
 each family forced where it can run (forward rows and ring; backward rows and pointwise; the
 one-pass training forward with its in-place backward), p = 2 and 1, upstream gradients 1 and 0.5: contiguous, strided and split rows, whole fp16/bf16 rows (the ring's 4 KiB chunks), a row
-whose last chunk is 16 bytes, a short last slice.
+whose last chunk is 16 bytes, a short last slice, float32 rows in the ring's tiles (teams of 8 and 32, rows ending mid-stage,
+a last row group not full, strided).
 """
 import math
 import os
@@ -46,6 +47,7 @@ for shape in [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3,
 
 cases = []  # (shape, width of the storage rows, dtype)
 cases += [((4200, 1024), 1024, torch.float32), ((1500, 3000), 3008, torch.float32),
+          ((40001, 100), 100, torch.float32), ((9003, 300), 304, torch.float32),
           ((3, 1500000), 1500004, torch.float32), ((2, 20008), 20008, torch.float32)]
 cases += [((4, 8192), 8192, d) for d in (torch.bfloat16, torch.float16)]
 cases += [((4, 4104), 4104, torch.bfloat16), ((3, 20000), 20000, torch.bfloat16),

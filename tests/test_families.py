@@ -55,11 +55,13 @@ def strided(x, width):
     return wide[:, : x.shape[1]]
 
 
-# Whole-block teams (long or few rows), split rows, every dtype; a strided case.
+# Whole-block teams (long or few rows), split rows, every dtype; float32 teams of 8 and 32 (the
+# ring's tiles: rows ending mid-stage, a last row group not full); a strided case.
 FORWARD_CASES = [((64, 8192), torch.float32), ((300, 3000), torch.float32),
                  ((4, 100000), torch.float32), ((40, 20000), torch.bfloat16),
                  ((3, 50000), torch.float16), ((100, 2048), torch.float16),
-                 ((128, 4096), torch.bfloat16)]
+                 ((128, 4096), torch.bfloat16), ((40001, 100), torch.float32),
+                 ((9003, 300), torch.float32)]
 
 
 @pytest.mark.parametrize("shape,dtype", FORWARD_CASES)
