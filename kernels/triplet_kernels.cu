@@ -96,9 +96,13 @@ constexpr int kPointwiseMinBlocks = 8;
 constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
 // The finishing kernel: one block; its input is at most kMaxGrid block sums or 512 split rows.
 constexpr int kFinishThreads = 1024;
-// One pass: a thread keeps at most 8 packs of each input (in shared memory) until its row's
-// distances are known: 96 KiB per block, 2 blocks per SM. Longer rows take two passes.
-constexpr int64_t kOnePassPacks = 8;
+// One pass: a thread keeps its packs of each input (in shared memory, 12 KiB per block per
+// pack) until its row's distances are known. At most 16, where the GPU's shared memory per block
+// holds them (16 on an H100/H200: 192 KiB, 1 block per SM; (32768, 2048) fp32 fwd+bwd 0.692x
+// the two passes' time, as 8 packs at 2 blocks per SM gave at (32768, 8192)); longer rows take
+// two passes. A block's own static shared memory stays under kOnePassStaticSmem.
+constexpr int64_t kOnePassPacks = 16;
+constexpr int64_t kOnePassStaticSmem = 1024;
 constexpr int kOnePassMinBlocks = 4;
 // The one pass's backward loops over the gradients with this many blocks: when the upstream
 // gradient is 1 they only read it and exit.
@@ -979,6 +983,10 @@ bool inputs_aligned(const TripletProblem& pr) {
          rows_aligned(pr.n, pr.stride_n, pr.rows, size);
 }
 
+int one_pass_smem(int64_t packs_per_thread) {  // a, p, n: packs_per_thread each per thread
+  return static_cast<int>(3 * packs_per_thread * kBlockThreads * kVecBytes);
+}
+
 bool rows_are_packs(const TripletProblem& pr) {  // every row a whole number of 16-byte packs
   return (pr.dim * element_size(pr.dtype)) % kVecBytes == 0;
 }
@@ -1062,8 +1070,11 @@ const char* forward_family_unfit(const TripletProblem& pr, ForwardFamily family)
     if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the onepass forward needs 16-byte aligned rows";
     const LaunchPlan rows = row_geometry(pr);
     const int64_t packs = pr.dim * element_size(pr.dtype) / kVecBytes;
-    if (rows.splits > 1 || packs > kOnePassPacks * rows.threads_per_row) {
-      return "the onepass forward holds at most 8 packs of each input per thread";
+    const int64_t per_thread = (packs + rows.threads_per_row - 1) / rows.threads_per_row;
+    if (rows.splits > 1 || per_thread > kOnePassPacks ||
+        one_pass_smem(per_thread) + kOnePassStaticSmem > pr.smem_per_block) {
+      return "the onepass forward holds at most 16 packs of each input per thread, within the "
+             "GPU's shared memory per block";
     }
   }
   return nullptr;
@@ -1282,7 +1293,7 @@ cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int
             out.hinge_at_zero = grads.hinge_at_zero;
             out.packs_per_thread = static_cast<int>(
                 (pr.dim / Pack<T>::kN + plan.threads_per_row - 1) / plan.threads_per_row);
-            const int smem = 3 * out.packs_per_thread * kBlockThreads * kVecBytes;
+            const int smem = one_pass_smem(out.packs_per_thread);
             err = allow_shared_memory<forward_one_pass_kernel<T, K, kSwap>>(smem);
             if (err == cudaSuccess) {
               forward_one_pass_kernel<T, K, kSwap><<<plan.grid, kBlockThreads, smem, stream>>>(args, out);

@@ -30,7 +30,8 @@ struct TripletProblem {
   DType dtype;
   double margin, p_norm, eps;
   bool swap;
-  int cc_major;  // compute capability of the device the inputs are on
+  int cc_major;         // compute capability of the device the inputs are on
+  int smem_per_block;   // shared memory a block may take there (bytes, opting in)
 };
 
 // What to launch. Every field follows from the problem in plan_forward / plan_backward.

@@ -145,11 +145,10 @@ at::ScalarType acc_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-int compute_capability_major(const at::Tensor& on) {
-  int major = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, on.get_device()));
-  return major;
+int device_attribute(const at::Tensor& on, cudaDeviceAttr attribute) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, on.get_device()));
+  return value;
 }
 
 // The problem as the kernels see it; a, p, n are the (rows, dim) views, which must outlive it.
@@ -169,7 +168,8 @@ TripletProblem make_problem(const at::Tensor& a, const at::Tensor& p, const at::
   pr.p_norm = pnorm;
   pr.eps = eps;
   pr.swap = swap;
-  pr.cc_major = compute_capability_major(a);
+  pr.cc_major = device_attribute(a, cudaDevAttrComputeCapabilityMajor);
+  pr.smem_per_block = device_attribute(a, cudaDevAttrMaxSharedMemoryPerBlockOptin);
   return pr;
 }
 
