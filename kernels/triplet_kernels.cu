@@ -103,6 +103,8 @@ constexpr int kFinishThreads = 1024;
 // two passes. A block's own static shared memory stays under kOnePassStaticSmem.
 constexpr int64_t kOnePassPacks = 16;
 constexpr int64_t kOnePassStaticSmem = 1024;
+// Its registers: 64 (4 blocks' worth), no spills; shared memory holds 1-2 blocks per SM anyway, so
+// the cap only keeps the compiler from spending more (not timed against other caps).
 constexpr int kOnePassMinBlocks = 4;
 // The one pass's backward loops over the gradients with this many blocks: when the upstream
 // gradient is 1 they only read it and exit.

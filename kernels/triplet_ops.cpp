@@ -250,12 +250,12 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& anchor,
   return {out.loss, out.dists};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
-    const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
-    const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
-    bool swap, int64_t reduction, bool hinge, std::array<bool, 3> output_mask) {
-  check_inputs(anchor, positive, negative, p, reduction);
-  const c10::cuda::CUDAGuard guard(anchor.device());
+// A backward over the inputs' (rows, dim) views: into `grads` (undefined where not needed), or,
+// in_place, the upstream gradient applied to a one-pass forward's gradients there.
+void run_backward(const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
+                  const at::Tensor& negative, const at::Tensor& dists, double margin, double p,
+                  double eps, bool swap, int64_t reduction, bool hinge,
+                  const std::array<at::Tensor, 3>& grads, bool in_place) {
   const int64_t dim = anchor.size(-1);
   const int64_t rows = rows_of(anchor);
   TORCH_CHECK(dists.is_cuda() && dists.device() == anchor.device() &&
@@ -267,29 +267,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
                   grad.numel() == (reduction == kNone ? rows : 1),
               "fused_triplet: the upstream gradient must be ", reduction == kNone ? rows : 1,
               " values of ", anchor.scalar_type(), " on ", anchor.device());
-  std::array<at::Tensor, 3> out;
-  const at::Tensor* inputs[3] = {&anchor, &positive, &negative};
-  for (int k = 0; k < 3; ++k) {
-    out[k] = output_mask[k] ? at::empty(inputs[k]->sizes(), anchor.options())
-                            : at::empty({0}, anchor.options());
-  }
-  if (rows == 0 || dim == 0 || !(output_mask[0] || output_mask[1] || output_mask[2])) {
-    return {out[0], out[1], out[2]};
-  }
   const at::Tensor a = as_rows(anchor, rows, dim);
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
   const at::Tensor g = grad.reshape({-1}).contiguous();
   const at::Tensor d = dists.contiguous();
   const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
-  const LaunchPlan plan = backward_plan(pr);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const BackwardInputs in{g.data_ptr(), d.data_ptr(), hinge,
-                          output_mask[0] ? out[0].data_ptr() : nullptr,
-                          output_mask[1] ? out[1].data_ptr() : nullptr,
-                          output_mask[2] ? out[2].data_ptr() : nullptr,
+                          grads[0].defined() ? grads[0].data_ptr() : nullptr,
+                          grads[1].defined() ? grads[1].data_ptr() : nullptr,
+                          grads[2].defined() ? grads[2].data_ptr() : nullptr,
                           upstream_note_for_gpu(pr, reduction, anchor.get_device(), stream)};
-  C10_CUDA_CHECK(launch_backward(pr, plan, reduction, in, stream));
+  C10_CUDA_CHECK(in_place ? launch_upstream(pr, reduction, in, stream)
+                          : launch_backward(pr, backward_plan(pr), reduction, in, stream));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
+    const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
+    bool swap, int64_t reduction, bool hinge, std::array<bool, 3> output_mask) {
+  check_inputs(anchor, positive, negative, p, reduction);
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  std::array<at::Tensor, 3> out;
+  const at::Tensor* inputs[3] = {&anchor, &positive, &negative};
+  for (int k = 0; k < 3; ++k) {
+    out[k] = output_mask[k] ? at::empty(inputs[k]->sizes(), anchor.options())
+                            : at::empty({0}, anchor.options());
+  }
+  if (rows_of(anchor) == 0 || anchor.size(-1) == 0 ||
+      !(output_mask[0] || output_mask[1] || output_mask[2])) {
+    return {out[0], out[1], out[2]};
+  }
+  std::array<at::Tensor, 3> written;
+  for (int k = 0; k < 3; ++k) {
+    if (output_mask[k]) written[k] = out[k];
+  }
+  run_backward(grad, anchor, positive, negative, dists, margin, p, eps, swap, reduction, hinge,
+               written, /*in_place=*/false);
   return {out[0], out[1], out[2]};
 }
 
@@ -300,24 +315,8 @@ void apply_upstream(const at::Tensor& grad, const at::Tensor& anchor, const at::
                     double eps, bool swap, int64_t reduction,
                     const std::array<at::Tensor, 3>& grads) {
   const c10::cuda::CUDAGuard guard(anchor.device());
-  TORCH_CHECK(grad.device() == anchor.device() && grad.scalar_type() == anchor.scalar_type() &&
-                  grad.numel() == 1,
-              "fused_triplet: the upstream gradient must be one value of ", anchor.scalar_type(),
-              " on ", anchor.device());
-  const int64_t dim = anchor.size(-1);
-  const int64_t rows = rows_of(anchor);
-  const at::Tensor a = as_rows(anchor, rows, dim);
-  const at::Tensor pos = as_rows(positive, rows, dim);
-  const at::Tensor neg = as_rows(negative, rows, dim);
-  const at::Tensor g = grad.reshape({-1}).contiguous();
-  const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const BackwardInputs in{g.data_ptr(), dists.data_ptr(), hinge_at_zero.load(),
-                          grads[0].defined() ? grads[0].data_ptr() : nullptr,
-                          grads[1].defined() ? grads[1].data_ptr() : nullptr,
-                          grads[2].defined() ? grads[2].data_ptr() : nullptr,
-                          upstream_note_for_gpu(pr, reduction, anchor.get_device(), stream)};
-  C10_CUDA_CHECK(launch_upstream(pr, reduction, in, stream));
+  run_backward(grad, anchor, positive, negative, dists, margin, p, eps, swap, reduction,
+               hinge_at_zero.load(), grads, /*in_place=*/true);
 }
 
 // Tensors the one pass may take directly: real CUDA tensors with no Python dispatch in the way

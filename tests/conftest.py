@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -11,6 +12,18 @@ if ROOT not in sys.path:
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="no CUDA GPU visible: the fused kernels run only on a GPU")
+
+
+@contextlib.contextmanager
+def forced(forward=-1, backward=-1):
+    """Makes fused_triplet take the given kernel families (-1: the plan's choice) inside."""
+    import fused_triplet as ft
+
+    ft._ops().force_families(forward, backward)
+    try:
+        yield
+    finally:
+        ft._ops().force_families(-1, -1)
 
 
 def same_error(ours, theirs):

@@ -2,28 +2,17 @@
 as every other family that can take the same input (they share each thread's elements, their
 order and the reduction tree by construction; this checks it). Skipped without a GPU."""
 
-import contextlib
-
 import pytest
 import torch
 
 import fused_triplet as ft
-from conftest import assert_as_accurate_as_torch, distance_scale, rand_triplet, requires_cuda
+from conftest import (assert_as_accurate_as_torch, distance_scale, forced, rand_triplet,
+                      requires_cuda)
 
 pytestmark = requires_cuda
 DEV = "cuda"
 FORWARD = {"rows": 0, "ring": 1}
 BACKWARD = {"rows": 0, "pointwise": 1}
-
-
-@contextlib.contextmanager
-def forced(forward=-1, backward=-1):
-    ops = ft._ops()
-    ops.force_families(forward, backward)
-    try:
-        yield
-    finally:
-        ops.force_families(-1, -1)
 
 
 def plans(a, p, n, pnorm=2.0, swap=False):

@@ -3,7 +3,6 @@ kernels can hold get their gradients written by the forward (for an upstream gra
 backward applies the upstream gradient in place. Whichever path runs, the bits are the same:
 each path is forced here and checked against the other, and both against torch. GPU only."""
 
-import contextlib
 import math
 
 import pytest
@@ -11,20 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import fused_triplet as ft
-from conftest import assert_as_accurate_as_torch, rand_triplet, requires_cuda
+from conftest import assert_as_accurate_as_torch, forced, rand_triplet, requires_cuda
 
 pytestmark = requires_cuda
 DEV = "cuda"
 ROWS, ONE_PASS = 0, 2  # forward families: the rows kernel (then the backward kernels), one pass
-
-
-@contextlib.contextmanager
-def forced(forward):
-    ft._ops().force_families(forward, -1)
-    try:
-        yield
-    finally:
-        ft._ops().force_families(-1, -1)
 
 
 def bits(x):
