@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 
 namespace fused_triplet {
 namespace {
@@ -99,6 +100,18 @@ bool last_upstream_was_one(const TripletProblem& pr, int64_t reduction, int devi
   return *note != 0;
 }
 
+// The kernels' element type for a tensor dtype; none for every other dtype (float8 types count as
+// floating in c10, and the kernels would read them as wider elements).
+std::optional<DType> kernel_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat;
+    case at::kDouble: return DType::kDouble;
+    default: return std::nullopt;
+  }
+}
+
 void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
                   int64_t reduction) {
   TORCH_CHECK(reduction >= kNone && reduction <= kSum, "fused_triplet: unknown reduction ",
@@ -109,8 +122,9 @@ void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
   TORCH_CHECK(p.scalar_type() == a.scalar_type() && n.scalar_type() == a.scalar_type(),
               "fused_triplet: anchor, positive and negative must have one dtype, got ",
               a.scalar_type(), ", ", p.scalar_type(), ", ", n.scalar_type());
-  TORCH_CHECK(at::isFloatingType(a.scalar_type()),
-              "fused_triplet: expected a floating point dtype, got ", a.scalar_type());
+  TORCH_CHECK(kernel_dtype(a.scalar_type()).has_value(),
+              "fused_triplet: expected float16, bfloat16, float32 or float64 inputs, got ",
+              a.scalar_type());
   TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
   TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
               "fused_triplet: anchor, positive and negative must have one shape (broadcast "
@@ -132,14 +146,6 @@ at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t dim) {
   return r;
 }
 
-DType dtype_of(at::ScalarType type) {
-  switch (type) {
-    case at::kHalf: return DType::kHalf;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kFloat: return DType::kFloat;
-    default: return DType::kDouble;
-  }
-}
 
 at::ScalarType acc_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -163,7 +169,7 @@ TripletProblem make_problem(const at::Tensor& a, const at::Tensor& p, const at::
   pr.stride_n = n.stride(0);
   pr.rows = a.size(0);
   pr.dim = a.size(1);
-  pr.dtype = dtype_of(a.scalar_type());
+  pr.dtype = *kernel_dtype(a.scalar_type());  // check_inputs took it
   pr.margin = margin;
   pr.p_norm = pnorm;
   pr.eps = eps;

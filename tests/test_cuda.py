@@ -316,6 +316,42 @@ def test_errors_match_torch_on_cuda():
                lambda: F.triplet_margin_loss(a[:, :0], p[:, :0], n[:, :0], p=math.inf))
 
 
+def all_dtypes():
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def test_raw_ops_take_exactly_the_kernels_dtypes():
+    """Every torch dtype through the registered ops: the four the kernels have run, any other
+    (float8 types count as floating in c10) raises before a launch."""
+    kernel_dtypes = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+    ops = ft._ops()
+    tried = 0
+    for dtype in all_dtypes():
+        try:
+            xs = [torch.empty((4, 64), dtype=dtype, device=DEV) for _ in range(3)]
+        except (RuntimeError, TypeError):
+            continue  # no tensor of this dtype can be made here: nothing to pass
+        tried += 1
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        dists = torch.rand(2, 4, device=DEV, dtype=acc)
+        grad = torch.ones((), dtype=dtype, device=DEV) if dtype in kernel_dtypes else \
+            torch.empty((), dtype=dtype, device=DEV)
+        calls = [lambda: ops.triplet_margin_loss(*xs, 1.0, 2.0, 1e-6, False, 1),
+                 lambda: ops.triplet_margin_loss_backward(grad, *xs, dists, 1.0, 2.0, 1e-6,
+                                                          False, 1, True, [True, True, True]),
+                 lambda: ops.describe_plans(*xs, 2.0, False)]
+        for call in calls:
+            if dtype in kernel_dtypes:
+                xs[:] = [torch.rand((4, 64), device=DEV).to(dtype) for _ in range(3)]
+                call()
+            else:
+                with pytest.raises(RuntimeError, match="expected float16, bfloat16, float32 or "
+                                   "float64 inputs"):
+                    call()
+        torch.cuda.synchronize()  # nothing launched read past a buffer
+    assert tried > 10
+
+
 def test_requires_grad_gradients_match_torch():
     a, p, n = (x.requires_grad_() for x in rand_triplet((16, 300), device=DEV, seed=21))
     ours = torch.autograd.grad(ft.triplet_margin_loss(a, p, n, swap=True), (a, p, n))
