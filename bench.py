@@ -6,7 +6,8 @@
     python bench.py --sweep [--backward] --json sweep.json --plot sweep.png   # the sweep's shapes
     python bench.py --sweep --backward --shapes 1024x128,4096x512 --json part1.json   # a part
     python bench.py --merge part1.json part2.json --json sweep.json --plot sweep.png   # no GPU
-    python bench.py --readme-table        # README's speed table, from results/h200_sweep.json
+    python bench.py --loops --json results/h200_loops.json   # training loops (autocast, GradScaler, ...)
+    python bench.py --readme-table        # README's speed tables, from results/
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
 flushed (a 256 MiB write) before every timed call; warm-up rounds first; median over rounds. The
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 
@@ -41,6 +43,7 @@ DEVICE_LEAD_CYCLES = 2_000_000
 SWEEP_SHAPES = "1024x128,4096x512,128x4096,262144x256,65536x1024,32768x8192,16x4194304,4x16777216"
 SMALL_BYTES = 16 << 20
 RESULTS = "results/h200_sweep.json"  # the recorded sweep: README's table and plot come from it
+LOOP_RESULTS = "results/h200_loops.json"  # the recorded training loops: README's second table
 README_CASES = [("forward", "32768x8192"), ("fwd+bwd", "32768x8192"),
                 ("fwd+bwd 0.5x", "32768x8192")]
 
@@ -190,6 +193,56 @@ def bench_backward_weighted(shape, dtype, rounds, warmup):
     return bench_backward(shape, dtype, rounds, warmup, weight=0.5)
 
 
+# Training loops as people write them: (input dtype, autocast dtype or None, losses per step,
+# how the step's loss is differentiated). Every contender runs the same loop code.
+LOOPS = {
+    "loss.backward()": (torch.float32, None, 1, lambda losses, scaler: losses[0].backward()),
+    "(loss / 4).backward()": (torch.float32, None, 1,
+                              lambda losses, scaler: (losses[0] / 4).backward()),
+    "GradScaler fp32": (torch.float32, None, 1,
+                        lambda losses, scaler: scaler.scale(losses[0]).backward()),
+    "AMP fp16 + GradScaler": (torch.float16, torch.float16, 1,
+                              lambda losses, scaler: scaler.scale(losses[0]).backward()),
+    "AMP bf16": (torch.bfloat16, torch.bfloat16, 1, lambda losses, scaler: losses[0].backward()),
+    "l1 + 0.5 * l2": (torch.float32, None, 2,
+                      lambda losses, scaler: (losses[0] + 0.5 * losses[1]).backward()),
+}
+LOOP_SHAPES = "32768x8192,4096x512"
+
+
+def bench_loop(shape, name, rounds, warmup, margin=1.0):
+    """One training step of a loop in LOOPS (forward and backward of its losses, gradients of
+    every input), eager vs torch.compile vs fused_triplet; loss dtype and bytes as it moves them."""
+    dtype, amp, losses, differentiate = LOOPS[name]
+    inputs = [x.requires_grad_() for k in range(losses)
+              for x in make_inputs(shape, dtype, seed=k)]
+    torch._dynamo.reset()
+    modules = {"eager": torch.nn.TripletMarginLoss(margin=margin),
+               "torch.compile": torch.compile(torch.nn.TripletMarginLoss(margin=margin)),
+               "fused_triplet": fused_triplet.TripletMarginLoss(margin=margin)}
+    steps, results = {}, {}
+    for contender, module in modules.items():
+        scaler = torch.amp.GradScaler("cuda", init_scale=65536.0)
+
+        def step(*xs, module=module, scaler=scaler):
+            for x in xs:
+                x.grad = None
+            with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
+                out = [module(*xs[3 * k:3 * k + 3]) for k in range(losses)]
+            differentiate(out, scaler)
+            return out
+
+        out = step(*inputs)  # compile / build outside the measurement
+        results[contender] = [x.detach() for x in out] + [x.grad for x in inputs]
+        steps[contender] = step
+    times = time_interleaved(steps, inputs, rounds, warmup)
+    rows = summarize(f"loop {name}", shape, dtype, times, results,
+                     2 * sum(x.numel() * x.element_size() for x in inputs))
+    for row in rows:
+        row["loss_dtype"] = str(results[row["contender"]][0].dtype).replace("torch.", "")
+    return rows
+
+
 def print_table(rows):
     head = (f"{'shape':>16} {'dtype':>8} {'contender':>14} {'median ms':>10} {'TB/s':>6} "
             f"{'% peak':>7} {'fused x':>8} {'max err':>9}")
@@ -244,6 +297,26 @@ def readme_table(rows):
                 f"{by['torch.compile']['median_ms']:.3f} ms "
                 f"({by['torch.compile']['fused_speedup']:.2f}x) | "
                 f"**{fused['median_ms']:.3f} ms** | {fused['tbps']:.2f} |")
+    return "\n".join(lines)
+
+
+def readme_loops_table(rows):
+    """README's training-loop table: each loop's step, each contender's median ms and
+    fused_triplet's speedup over it, and the loss dtype every contender returns."""
+    lines = ["| loop | shape | loss | eager | torch.compile | fused_triplet | fused TB/s |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for mode, shape in dict.fromkeys((r["mode"], "x".join(map(str, r["shape"]))) for r in rows):
+        by = {r["contender"]: r for r in rows
+              if r["mode"] == mode and "x".join(map(str, r["shape"])) == shape}
+        if len(by) < 3:
+            continue
+        fused = by["fused_triplet"]
+        lines.append(
+            f"| `{mode.removeprefix('loop ')}` | {shape.replace('x', ' x ')} | "
+            f"{fused['loss_dtype']} | {by['eager']['median_ms']:.3f} ms "
+            f"({by['eager']['fused_speedup']:.2f}x) | {by['torch.compile']['median_ms']:.3f} ms "
+            f"({by['torch.compile']['fused_speedup']:.2f}x) | **{fused['median_ms']:.3f} ms** | "
+            f"{fused['tbps']:.2f} |")
     return "\n".join(lines)
 
 
@@ -309,6 +382,9 @@ def main(argv=None) -> int:
     parser.add_argument("--backward", action="store_true",
                         help="time forward + backward (grads of all inputs), with peak extra "
                         "memory: loss.backward() and (0.5 * loss).backward()")
+    parser.add_argument("--loops", action="store_true",
+                        help="time training loops (" + ", ".join(LOOPS) + ") at "
+                        + LOOP_SHAPES + " (or --shapes)")
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",
@@ -319,11 +395,15 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of effective TB/s per case "
                         "(needs matplotlib)")
     parser.add_argument("--readme-table", action="store_true",
-                        help=f"no timing: print README's speed table from {RESULTS}")
+                        help=f"no timing: print README's speed tables from {RESULTS} and "
+                        f"{LOOP_RESULTS}")
     args = parser.parse_args(argv)
     if args.readme_table:
         with open(RESULTS) as f:
             print(readme_table(json.load(f)["results"]))
+        if os.path.exists(LOOP_RESULTS):
+            with open(LOOP_RESULTS) as f:
+                print("\n" + readme_loops_table(json.load(f)["results"]))
         return 0
     if args.merge:
         return merge(args.merge, args.json, args.plot)
@@ -332,7 +412,8 @@ def main(argv=None) -> int:
         DEVICE_LEAD_CYCLES = 0
     # --sweep with --shapes/--dtypes runs part of the sweep (forward and, with --backward,
     # forward + backward): the whole one outlasts a 600 s device call.
-    args.shapes = args.shapes or (SWEEP_SHAPES if args.sweep else DEFAULT_SHAPES)
+    args.shapes = args.shapes or (SWEEP_SHAPES if args.sweep else
+                                  LOOP_SHAPES if args.loops else DEFAULT_SHAPES)
     args.dtypes = args.dtypes or ("fp32,bf16" if args.sweep else "fp32")
     if not torch.cuda.is_available():
         print(f"bench.py: no CUDA GPU visible, so nothing to time here. The recorded H200 numbers "
@@ -344,6 +425,20 @@ def main(argv=None) -> int:
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"{datetime.date.today()}; 'fused x' = contender time / fused_triplet time")
     fused_triplet.build()
+    if args.loops:
+        rows = []
+        for shape in parse_shapes(args.shapes):
+            for name in LOOPS:
+                case = bench_loop(shape, name, args.rounds, args.warmup)
+                rows += case
+                torch.cuda.empty_cache()
+                print(f"# {case[0]['mode']} {'x'.join(map(str, shape))}: fused "
+                      f"{case[-1]['median_ms']:.4f} ms ({case[-1]['loss_dtype']} loss), "
+                      f"{case[0]['fused_speedup']:.2f}x eager, {case[1]['fused_speedup']:.2f}x "
+                      "torch.compile", flush=True)
+        print_table(rows)
+        write_json(args.json, props, rows)
+        return 0
     benches = [bench_backward, bench_backward_weighted] if args.backward else [bench_forward]
     if args.sweep and args.backward:
         benches.insert(0, bench_forward)
@@ -363,12 +458,17 @@ def main(argv=None) -> int:
         print_table([r for r in rows if r["mode"] == mode])
     if args.plot:
         plot(rows, args.plot, props.name)
-    if args.json:
-        meta = {"gpu": props.name, "torch": torch.__version__, "date": str(datetime.date.today()),
-                "device_lead_cycles": DEVICE_LEAD_CYCLES}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": rows}, f, indent=1)
+    write_json(args.json, props, rows)
     return 0
+
+
+def write_json(path, props, rows):
+    if not path:
+        return
+    meta = {"gpu": props.name, "torch": torch.__version__, "date": str(datetime.date.today()),
+            "device_lead_cycles": DEVICE_LEAD_CYCLES}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 // Device helpers shared by the kernels in triplet_kernels.cu: element types, 16-byte loads and
 // stores, p-norms, deterministic team and block reductions, the sm_90 bulk-copy ring and the
-// chained follow-up launch. Plain CUDA: no torch headers.
+// chained follow-up launch. Plain CUDA: no torch headers. Lines marked library-only are left out
+// of the KernelBench file (float32 forward only; fused_triplet.export).
 #ifndef FUSED_TRIPLET_DEVICE_CUH
 #define FUSED_TRIPLET_DEVICE_CUH
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
+#include <cuda_bf16.h>  // library-only
+#include <cuda_fp16.h>  // library-only
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -19,26 +20,30 @@ constexpr int kVecBytes = 16;       // one 128-bit load per thread per input
 
 // ---- element types -----------------------------------------------------------------------------
 // acc_t: the element arithmetic, as torch's norms do it (float; double for double inputs).
-// sum_t: the row sums. Double for float inputs: a distance in the thousands minus another leaves a
-// small loss, so the sums must be more accurate than torch's float ones for the loss to be too.
-template <typename T> struct TypesOf { using acc = float; using sum = float; };
-template <> struct TypesOf<float> { using acc = float; using sum = double; };
-template <> struct TypesOf<double> { using acc = double; using sum = double; };
+// sum_t: the row sums, in double for every type: a distance in the thousands minus another leaves a
+// small loss, so the sums must be more accurate than torch's float ones for the loss to be too,
+// and 2-byte inputs under autocast owe a float32 loss as accurate as float32 inputs get. (A
+// 16-byte pack of 2-byte elements is summed in float first: see accumulate_packs.)
+template <typename T> struct TypesOf { using acc = float; };
+template <> struct TypesOf<double> { using acc = double; };  // library-only
 template <typename T> using acc_t = typename TypesOf<T>::acc;
-template <typename T> using sum_t = typename TypesOf<T>::sum;
+template <typename T> using sum_t = double;
 
-// Explicit conversions: torch's build flags disable the half/bfloat16 conversion operators.
-__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_acc(float x) { return x; }
-__device__ __forceinline__ double to_acc(double x) { return x; }
-
 // Rounding to the element type, from the element arithmetic (float or double) or the sums.
 __device__ __forceinline__ void round_to(float x, float& out) { out = x; }
 __device__ __forceinline__ void round_to(double x, float& out) { out = static_cast<float>(x); }
+// library-only {
+// Explicit conversions: torch's build flags disable the half/bfloat16 conversion operators.
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ double to_acc(double x) { return x; }
 __device__ __forceinline__ void round_to(double x, double& out) { out = x; }
 __device__ __forceinline__ void round_to(float x, __half& out) { out = __float2half_rn(x); }
 __device__ __forceinline__ void round_to(float x, __nv_bfloat16& out) { out = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void round_to(double x, __half& out) { out = __double2half(x); }
+__device__ __forceinline__ void round_to(double x, __nv_bfloat16& out) { out = __double2bfloat16(x); }
+// library-only }
 template <typename T, typename X>
 __device__ __forceinline__ T from_acc(X x) {
   T out;
@@ -80,13 +85,6 @@ __device__ __forceinline__ Pack<T> as_pack(const uint4& raw) {
   Pack<T> out;
   memcpy(&out, &raw, sizeof(out));
   return out;
-}
-
-template <typename T>
-__device__ __forceinline__ void store_pack(T* ptr, const Pack<T>& v) {
-  uint4 raw;
-  memcpy(&raw, &v, sizeof(raw));
-  *reinterpret_cast<uint4*>(ptr) = raw;
 }
 
 // 16 bytes global -> shared without registers (sm_80 cp.async, bypassing L1; a plain load and
@@ -152,24 +150,27 @@ struct Norm {
       : mode(K == NormKind::kTwo ? NormMode::kTwo : K == NormKind::kOne ? NormMode::kOne : prm.mode),
         p(static_cast<A>(prm.p)), inv_p(static_cast<S>(prm.inv_p)) {}
 
-  __device__ __forceinline__ S identity() const {
-    return K == NormKind::kOther && mode == NormMode::kNegInf ? std::numeric_limits<S>::infinity()
-                                                               : S(0);
+  // U: the sum's type, S (a row's sums) or A (a pack's partial sums, see accumulate_packs).
+  template <typename U = S>
+  __device__ __forceinline__ U identity() const {
+    return K == NormKind::kOther && mode == NormMode::kNegInf ? std::numeric_limits<U>::infinity()
+                                                               : U(0);
   }
-  __device__ __forceinline__ void add(S& s, A x) const {
+  template <typename U>
+  __device__ __forceinline__ void add(U& s, A x) const {
     if constexpr (K == NormKind::kTwo) {
-      const S w = static_cast<S>(x);
+      const U w = static_cast<U>(x);
       s = fma_acc(w, w, s);  // exact square for float inputs (double sums)
     } else if constexpr (K == NormKind::kOne) {
-      s += static_cast<S>(abs_acc(x));
+      s += static_cast<U>(abs_acc(x));
     } else {
       switch (mode) {
-        case NormMode::kTwo: { const S w = static_cast<S>(x); s = fma_acc(w, w, s); break; }
-        case NormMode::kOne: s += static_cast<S>(abs_acc(x)); break;
-        case NormMode::kZero: s += (x == A(0)) ? S(0) : S(1); break;
-        case NormMode::kInf: s = max_nan(s, static_cast<S>(abs_acc(x))); break;
-        case NormMode::kNegInf: s = min_nan(s, static_cast<S>(abs_acc(x))); break;
-        default: s += static_cast<S>(pow_acc(abs_acc(x), p)); break;
+        case NormMode::kTwo: { const U w = static_cast<U>(x); s = fma_acc(w, w, s); break; }
+        case NormMode::kOne: s += static_cast<U>(abs_acc(x)); break;
+        case NormMode::kZero: s += (x == A(0)) ? U(0) : U(1); break;
+        case NormMode::kInf: s = max_nan(s, static_cast<U>(abs_acc(x))); break;
+        case NormMode::kNegInf: s = min_nan(s, static_cast<U>(abs_acc(x))); break;
+        default: s += static_cast<U>(pow_acc(abs_acc(x), p)); break;
       }
     }
   }

@@ -10,8 +10,8 @@
 //   forward_ring_kernel   sm_90: the copy engine streams the rows through shared memory (rows of
 //                         >= 8 KiB; float32 inputs of >= 256 MiB in tiles of row groups).
 //   forward_finish_kernel slices -> distances and losses; block sums -> 'mean' / 'sum'.
-//   forward_one_pass_kernel training: the rows kernel's loads kept in registers, then the
-//                         gradients for an upstream gradient of 1 (see "One pass" below).
+//   forward_one_pass_kernel training: the rows kernel's loads kept on chip, then the gradients
+//                         for the upstream gradient it predicts (see "One pass" below).
 // The main kernels give a thread the same elements in the same order and reduce in the same
 // tree, so where two can take an input they give the same bits (tests/test_families.py).
 //
@@ -27,14 +27,17 @@
 //   1 < p < 2 sgn(u) |u|^(p-1) / d^(p-1); p >= 2 u |u|^(p-2) / d^(p-1) (0 where d = 0).
 //   backward_pointwise_kernel p = 1 or 2, 16-byte aligned rows: elementwise, as Triton's.
 //   backward_rows_kernel      the rest (any p: inf-norm ties need a pass over the row first).
+//   backward_check_kernel     after the one pass: recomputes, pointwise, the rows it mispredicted.
 //
-// One pass: under autograd with 'mean' or 'sum', a row's gradient needs only the row and its
-// distances, so forward_one_pass_kernel writes it as if the upstream gradient were 1 while it
-// still holds the row (6.44 GB at (32768, 8192) fp32 instead of 9.66). The backward then only
-// applies the upstream gradient, in place (backward_rows_kernel's in_place mode; nothing when it
-// is 1). Float and bfloat16 'mean' / 'sum' gradients are therefore upstream x (the local
-// gradient, rounded) in every path, so that every path gives the same bits. Each backward notes
-// whether its upstream gradient was 1 (upstream_flag, host memory); the next forward reads it.
+// One pass: under autograd with 'mean' or 'sum', a row's gradient needs only the row, its
+// distances and the upstream gradient, so forward_one_pass_kernel writes it while it still holds
+// the row, for the upstream gradient it predicts: the one the last one-pass backward of the same
+// problem (and place in the step) saw, if that equalled the one before (UpstreamHistory, device
+// memory). Each row records the upstream gradient its gradient assumes (NaN: none written).
+// backward_check_kernel compares it with the actual one, recomputes the rows that differ exactly
+// as the pointwise backward does (so the bits never depend on the prediction), and updates the
+// history. A loop whose upstream gradient repeats takes one pass from its third step; one whose
+// upstream gradient changes every step writes no gradients in the forward.
 #include "triplet_launch.h"
 #include "triplet_device.cuh"
 
@@ -49,66 +52,84 @@
 
 namespace fused_triplet {
 
-// ==== The launch table: every threshold the plans use, with its reason. =========================
-// Measured on the H200 (docs/performance.md has the numbers and the method).
-// Rows of <= 64 packs (1 KiB) get teams of 8 threads, <= 8 packs each: at 16 packs, (65536, 1024)
-// bf16 ran 0.1164 ms against 0.1088 with a warp per row.
-constexpr int64_t kTeam8MaxPacks = 64;
-// Rows of <= 512 packs (8 KiB) get a warp, <= 16 packs each: capping a warp at 8 packs (longer
-// rows to whole blocks) was far slower, (65536, 2048) fp32 0.5814 ms against 0.3910.
+// ==== The launch table: every threshold and size the plans and kernels use, with its reason. ====
+// Measured on the H200: docs/performance.md's decision record has each one's numbers.
+// Teams: 8 threads, a warp or the whole block per row (a team's packs are coalesced).
+constexpr int kSmallTeam = 8;
+constexpr int kWarpTeam = 32;
+// Rows of <= 64 packs (1 KiB) take teams of 8 (<= 8 packs each): at 16 packs a warp was faster.
+constexpr int64_t kSmallTeamMaxPacks = 64;
+// Rows of <= 512 packs (8 KiB) take a warp (<= 16 packs each): whole blocks from 4 KiB were slower.
 constexpr int64_t kWarpMaxPacks = 512;
-// Blocks that fill an H100/H200-class GPU (132 SMs x up to 8 blocks) with a tail to balance. A
-// constant of the shape, not of the GPU: a shape gets the same teams, slices and bits everywhere.
-// Fewer row groups than this: the next bigger team ((128, 4096) bf16 ran 16 blocks of warps,
-// 0.0172 ms against torch.compile's 0.0086). Fewer rows than half of it: rows split in slices
-// (16 rows of 4M fp32 ran at 0.5 TB/s unsplit).
+// Blocks that fill an H100/H200-class GPU with a tail to balance; a constant of the shape, not
+// of the GPU, so a shape gets the same teams, slices and bits everywhere. Fewer row groups than
+// this: the next bigger team; fewer rows than half of it: rows split in slices.
 constexpr int64_t kFillBlocks = 1024;
-// Split rows aim at this many slices, each of at least 32 KiB per input (shorter ones are not
-// worth a second pass): (4, 16777216) bf16 0.1122 ms against 0.1177 aiming at 1024.
+// Split rows aim at this many slices, each of at least 32 KiB per input (shorter slices are not
+// worth the finishing kernel's second look).
 constexpr int64_t kSplitBlocks = 512;
 constexpr int64_t kMinSliceBytes = 32 * 1024;
 // Past this many blocks a kernel's blocks loop over units; bounds the block-sum buffer too.
 constexpr int64_t kMaxGrid = int64_t(1) << 20;
-// The forward ring for whole-block teams from rows of 8 KiB (sm_90, 16-byte aligned): (32768,
-// 8192) fp32 0.7146 ms against 0.7456 with register loads, bf16 0.3699 against 0.3856.
+// 2-byte elements are summed in float over a thread's 4 packs at a time (32 elements: float's
+// rounding stays far below the loss's tolerance), then in double: a conversion for each element,
+// or each pack, held the bf16 ring below float sums.
+constexpr int kFoldPacks = 4;
+// Packs of each input in flight per thread in the forward's register loads: 16 elements (4 packs
+// of 4-byte, 2 of 2-byte elements), enough to cover DRAM latency at the occupancy the registers
+// allow (4 packs of 2-byte elements spill with double sums); general p 1 (unrolled pow calls
+// spill).
+constexpr int kForwardUnrollElems = 16;
+// Blocks per SM the rows kernel's registers must allow, the most without spills: compiled-in
+// teams on sm_90 at 4 (64 registers; 3 was slower on small inputs), other targets at 3 (ptxas's
+// own target spills a few bytes); run-time teams at 2.
+constexpr int kRowsMinBlocksSm90 = 4;
+constexpr int kRowsMinBlocksOther = 3;
+constexpr int kRowsMinBlocksRunTimeTeam = 2;
+// The forward ring for whole-block teams from rows of 8 KiB (sm_90, 16-byte aligned).
 constexpr int64_t kRingMinRowBytes = 8192;
-// Teams of 8 and 32 (float32) from 256 MiB per input, rows a whole number of stages: (65536, 1024)
-// 0.1941 ms against 0.2002, (262144, 256) 0.1979 against 0.2023, (32768, 2048) 0.1944 against
-// 0.2042; at 128 MiB even, at 64 MiB 7% slower, rows ending mid-stage ((131072, 384)) 31% slower.
+// Its tiles for float32 teams of 8 and 32 from 256 MiB per input, rows a whole number of stages:
+// at 64 MiB and rows ending mid-stage register loads were faster.
 constexpr int64_t kRingTilesMinInputBytes = int64_t(256) << 20;
-// 4 stages x 3 inputs x 8 KiB = 96 KiB: 2 blocks per SM (rings of 1 block per SM: 13-50% slower).
-// 2-byte whole rows take 4 KiB chunks: a bf16 row of 8192 is only 2 chunks of 8 KiB, and each
-// block's ring ran dry at each row's end ((32768, 8192) bf16 0.3700 ms against 0.4005).
+// 4 stages x 3 inputs x 8 KiB = 96 KiB: 2 blocks per SM (rings of 1 block per SM were slower).
+// 2-byte whole rows take 4 KiB chunks: with 8 KiB a bf16 row of 8192 is 2 chunks, and each
+// block's ring ran dry at each row's end.
 constexpr int kRingStages = 4;
 constexpr int kRingChunkBytes = 8192;
 constexpr int kRingChunkBytesShortElems = 4096;
-// Smaller teams take each stage as one tile (rows x columns) of each input; a tile's row is at
-// most 256 elements (the copy engine's limit).
+// A tile's row is at most 256 elements (the copy engine's limit).
 constexpr int64_t kTileMaxCols = 256;
-// The pointwise backward as Triton's: 128-thread blocks, 2 packs of each input per thread, all
-// loads first ((4096, 512) bf16 fwd+bwd 0.0208 ms against 0.0221 with 1 pack).
-constexpr int kPointwiseThreads = 128;
-constexpr int kPointwisePacks = 2;
-// Without swap it fits 64 registers: 8 blocks per SM (at 67, 7 blocks: weighted bf16 fwd+bwd
-// ran 3-8% slower); with swap it needs more (64 spills).
-constexpr int kPointwiseMinBlocks = 8;
-// Its pack indices are 32-bit: larger inputs take the rows kernel.
-constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
 // The finishing kernel: one block; its input is at most kMaxGrid block sums or 512 split rows.
 constexpr int kFinishThreads = 1024;
-// One pass: a thread keeps its packs of each input (in shared memory, 12 KiB per block per
-// pack) until its row's distances are known. At most 16, where the GPU's shared memory per block
-// holds them (16 on an H100/H200: 192 KiB, 1 block per SM; (32768, 2048) fp32 fwd+bwd 0.692x
-// the two passes' time, as 8 packs at 2 blocks per SM gave at (32768, 8192)); longer rows take
-// two passes. A block's own static shared memory stays under kOnePassStaticSmem.
+// Device slots of the per-kernel caches (shared memory allowance, residency).
+constexpr int kMaxDevices = 64;
+// library-only {
+// The backward rows kernel at 1 block per SM: ptxas's own target spills a few bytes on sm_100.
+constexpr int kBackwardRowsMinBlocks = 1;
+// The pointwise backward as Triton's: 128-thread blocks, 2 packs of each input per thread, all
+// loads first.
+constexpr int kPointwiseThreads = 128;
+constexpr int kPointwisePacks = 2;
+// Without swap it fits 64 registers: 8 blocks per SM (at 7, weighted bf16 backwards were
+// slower); with swap 64 spill, so no cap.
+constexpr int kPointwiseMinBlocks = 8;
+constexpr int kPointwiseMinBlocksSwap = 1;
+// Its pack indices are 32-bit: larger inputs take the rows kernel (and two passes).
+constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
+// One pass: a thread keeps its packs of each input in shared memory (12 KiB per block per pack)
+// until its row's distances are known; at most 16, where the GPU's shared memory per block holds
+// them (an H100/H200: 192 KiB, 1 block per SM, about as fast as 8 packs at 2 blocks); longer rows
+// take two passes. A block's own static shared memory stays under kOnePassStaticSmem.
 constexpr int64_t kOnePassPacks = 16;
 constexpr int64_t kOnePassStaticSmem = 1024;
-// Its registers: 64 (4 blocks' worth), no spills; shared memory holds 1-2 blocks per SM anyway, so
-// the cap only keeps the compiler from spending more (not timed against other caps).
+// Its registers: 64 (4 blocks' worth), no spills; shared memory holds 1-2 blocks per SM anyway,
+// so the cap only keeps the compiler from spending more.
 constexpr int kOnePassMinBlocks = 4;
-// The one pass's backward loops over the gradients with this many blocks: when the upstream
-// gradient is 1 they only read it and exit.
-constexpr int kUpstreamBlocks = 1024;
+// The check after the one pass: one wave of pointwise blocks, so that a block whose rows all hold
+// the right gradients reads their predictions once and exits. No register cap (bf16 spilled
+// under 8 and 6 blocks' worth): the wave is sized from the blocks an SM holds.
+constexpr int kCheckThreads = kPointwiseThreads;
+// library-only }
 
 // ==== Forward ======================================================================================
 
@@ -125,14 +146,25 @@ struct ForwardArgs {
   int chunk_bytes;              // ring: bytes of each input per stage
   bool vectorized;              // every row start 16-byte aligned
   bool swap;
+  bool float32_loss;            // loss_rows and the finishing kernel's output are float32
   acc_t<T> eps;
   sum_t<T> margin;
   NormParams norm;
-  T* loss_rows;          // [rows] ('none'), or null
+  void* loss_rows;       // [rows] ('none'), or null
   acc_t<T>* dists;       // [2 or 3, rows]: d_ap, d_an (, d_pn with swap)
   sum_t<T>* block_sums;  // [gridDim.x] each block's sum of losses ('mean' / 'sum'), or null
   sum_t<T>* partials;    // split rows: [3, rows * splits] each slice's partial sums
 };
+
+// A loss value into the loss's dtype: the input's, or float32 (autocast's policy).
+template <typename T>
+__device__ __forceinline__ void store_loss(void* out, bool float32_loss, int64_t at, sum_t<T> v) {
+  if (float32_loss) {
+    static_cast<float*>(out)[at] = static_cast<float>(v);
+  } else {
+    static_cast<T*>(out)[at] = from_acc<T>(v);
+  }
+}
 
 // The row (or row group) of a unit. Split rows are fewer than kFillBlocks / 2 with at most
 // kSplitBlocks slices: 32-bit division, inline (a 64-bit one is a call, whose saved registers spill).
@@ -150,15 +182,55 @@ __device__ __forceinline__ void accumulate3(const Norm<T, K>& norm, RowSums<sum_
   if (swap) norm.add(s.pn, xp - xn + eps);
 }
 
+// One thread's sums over its packs of a unit, in order (every family adds the same packs in the
+// same order, so they fold at the same points). 2-byte elements are summed in float, kFoldPacks
+// packs at a time, then folded into the double sums; 4- and 8-byte ones go straight into them.
 template <typename T, NormKind K>
-__device__ __forceinline__ void accumulate_packs(const Norm<T, K>& norm, RowSums<sum_t<T>>& s,
-                                                 const Pack<T>& a, const Pack<T>& p,
-                                                 const Pack<T>& n, acc_t<T> eps, bool swap) {
+struct PackSums {
+  using S = sum_t<T>;
+  using A = acc_t<T>;
+  static constexpr bool kFolded = sizeof(T) == 2;
+  RowSums<S> total;
+  RowSums<A> part;
+  int held = 0;  // packs in part
+
+  __device__ __forceinline__ explicit PackSums(const Norm<T, K>& norm)
+      : total{norm.identity(), norm.identity(), norm.identity()},
+        part{norm.template identity<A>(), norm.template identity<A>(),
+             norm.template identity<A>()} {}
+  __device__ __forceinline__ void add(const Norm<T, K>& norm, const Pack<T>& a, const Pack<T>& p,
+                                      const Pack<T>& n, A eps, bool swap) {
 #pragma unroll
-  for (int j = 0; j < Pack<T>::kN; ++j) {
-    accumulate3(norm, s, to_acc(a.v[j]), to_acc(p.v[j]), to_acc(n.v[j]), eps, swap);
+    for (int j = 0; j < Pack<T>::kN; ++j) {
+      const A xa = to_acc(a.v[j]), xp = to_acc(p.v[j]), xn = to_acc(n.v[j]);
+      if constexpr (kFolded) {
+        norm.add(part.ap, xa - xp + eps);
+        norm.add(part.an, xa - xn + eps);
+        if (swap) norm.add(part.pn, xp - xn + eps);
+      } else {
+        accumulate3(norm, total, xa, xp, xn, eps, swap);
+      }
+    }
+    if constexpr (kFolded) {
+      if (++held == kFoldPacks) fold(norm, swap);
+    }
   }
-}
+  __device__ __forceinline__ void fold(const Norm<T, K>& norm, bool swap) {
+    total.ap = norm.combine(total.ap, static_cast<S>(part.ap));
+    total.an = norm.combine(total.an, static_cast<S>(part.an));
+    if (swap) total.pn = norm.combine(total.pn, static_cast<S>(part.pn));
+    part = RowSums<A>{norm.template identity<A>(), norm.template identity<A>(),
+                      norm.template identity<A>()};
+    held = 0;
+  }
+  // The sums of the packs so far.
+  __device__ __forceinline__ RowSums<S> sums(const Norm<T, K>& norm, bool swap) {
+    if constexpr (kFolded) {
+      if (held > 0) fold(norm, swap);
+    }
+    return total;
+  }
+};
 
 // A row's (or slice's) distances and loss, once its sums are reduced.
 template <typename T, typename N>
@@ -178,7 +250,7 @@ __device__ __forceinline__ void finish_row(const ForwardArgs<T>& args, const N& 
     d_neg = min_nan(d_an, d_pn);
   }
   const S loss = hinge(args.margin + d_ap - d_neg);
-  if (args.loss_rows != nullptr) args.loss_rows[row] = from_acc<T>(loss);
+  if (args.loss_rows != nullptr) store_loss<T>(args.loss_rows, args.float32_loss, row, loss);
   loss_sum += loss;
 }
 
@@ -215,19 +287,18 @@ __device__ __forceinline__ void write_block_sum(const ForwardArgs<T>& args, int 
   if (threadIdx.x == 0) args.block_sums[blockIdx.x] = total;
 }
 
-// One thread's share of columns [first, first + len) of a row: packs lane, lane + tpr, ... in
-// order (so a team's loads are coalesced), elements one by one where rows are not aligned.
+// One thread's share of columns [first, first + len) of a row (s: the identity on entry): packs
+// lane, lane + tpr, ... in order (so a team's loads are coalesced), elements one by one where rows
+// are not aligned.
 // kTPR: the team size as a compile-time constant (0: args.tpr), so that the unrolled loads'
 // offsets are immediates rather than a register each.
-template <int kTPR, typename T, NormKind K, bool kSwap>
+template <int kTPR, typename T, NormKind K>
 __device__ __forceinline__ void accumulate_slice(const ForwardArgs<T>& args, const Norm<T, K>& norm,
                                                  int64_t row, int64_t first, int64_t len,
-                                                 int lane, RowSums<sum_t<T>>& s) {
+                                                 int lane, bool swap, RowSums<sum_t<T>>& s) {
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
-  // 4 packs per input in flight per thread: enough to cover DRAM latency at the occupancy the
-  // registers allow. General p calls pow (a subroutine): unrolled, it spills, and gains nothing.
-  constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;
+  constexpr int kUnroll = K == NormKind::kOther ? 1 : kForwardUnrollElems / kVec;
   const int tpr = kTPR != 0 ? kTPR : args.tpr;
   const T* a = args.a + row * args.stride_a + first;
   const T* p = args.p + row * args.stride_p + first;
@@ -236,6 +307,7 @@ __device__ __forceinline__ void accumulate_slice(const ForwardArgs<T>& args, con
   int64_t i = lane;  // element index of the tail / unaligned loop
   if (args.vectorized) {
     const int64_t packs = len / kVec;
+    PackSums<T, K> sums(norm);
     int64_t v = lane;
     for (; v + (kUnroll - 1) * tpr < packs; v += kUnroll * tpr) {
       Pack<T> pa[kUnroll], pp[kUnroll], pn[kUnroll];
@@ -246,12 +318,13 @@ __device__ __forceinline__ void accumulate_slice(const ForwardArgs<T>& args, con
         pn[u] = load_stream(n + (v + u * tpr) * kVec);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) accumulate_packs(norm, s, pa[u], pp[u], pn[u], eps, kSwap);
+      for (int u = 0; u < kUnroll; ++u) sums.add(norm, pa[u], pp[u], pn[u], eps, swap);
     }
     for (; v < packs; v += tpr) {
-      accumulate_packs(norm, s, load_stream(a + v * kVec), load_stream(p + v * kVec),
-                       load_stream(n + v * kVec), eps, kSwap);
+      sums.add(norm, load_stream(a + v * kVec), load_stream(p + v * kVec),
+               load_stream(n + v * kVec), eps, swap);
     }
+    s = sums.sums(norm, swap);
     i = packs * kVec + lane;
   } else {
     for (; i + (kUnroll - 1) * tpr < len; i += kUnroll * tpr) {  // several loads in flight
@@ -263,33 +336,31 @@ __device__ __forceinline__ void accumulate_slice(const ForwardArgs<T>& args, con
         xn[u] = to_acc(n[i + u * tpr]);
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) accumulate3(norm, s, xa[u], xp[u], xn[u], eps, kSwap);
+      for (int u = 0; u < kUnroll; ++u) accumulate3(norm, s, xa[u], xp[u], xn[u], eps, swap);
     }
   }
-  for (; i < len; i += tpr) accumulate3(norm, s, to_acc(a[i]), to_acc(p[i]), to_acc(n[i]), eps, kSwap);
+  for (; i < len; i += tpr) accumulate3(norm, s, to_acc(a[i]), to_acc(p[i]), to_acc(n[i]), eps, swap);
 }
+
+// Blocks per SM the rows kernel's registers must allow (the table's entries for this target).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
+constexpr bool kSm90Target = false;
+#else
+constexpr bool kSm90Target = true;  // sm_90 (and the host pass, which compiles no kernel)
+#endif
+constexpr int kRowsMinBlocksFixedTeams = kSm90Target ? kRowsMinBlocksSm90 : kRowsMinBlocksOther;
+template <int kTPR>
+constexpr int kRowsMinBlocks = kTPR == 0 ? kRowsMinBlocksRunTimeTeam : kRowsMinBlocksFixedTeams;
 
 // Units are groups of kBlockThreads / tpr rows, or (tpr = the block) slices of rows; block b takes
 // units b, b + grid, ...
-// kTPR: 8 or 32 (a team's loads at immediate offsets; such teams never split rows), or 0 for
-// the team size of the launch (general p, double, and whole-block teams).
+// kTPR: kSmallTeam or kWarpTeam (a team's loads at immediate offsets; such teams never split
+// rows), or 0 for the team size of the launch (general p, double, and whole-block teams).
 // kSwap: whether d(p, n) is summed, a template parameter in the main kernels: at run time the
-// compiler keeps its instructions in every loop, predicated off (a third more instructions in
-// the bf16 pointwise backward, 5% slower at (32768, 8192) fwd+bwd; H200).
-// Blocks per SM the registers must allow: the most without spills. Fixed teams on sm_90 at 4
-// (64 registers; half at 3), as many warps as the kernels this one replaced; other targets at 3.
-// ptxas's own target spills a few bytes in some, and at 3 (80 registers) (4096, 512) bf16 ran 10%
-// and (131072, 384) fp32 8% slower on the H200. Run-time teams at 2.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
-template <typename T, int kTPR>
-constexpr int kRowsMinBlocks = kTPR == 0 ? 2 : 3;
-#else
-template <typename T, int kTPR>
-constexpr int kRowsMinBlocks = kTPR == 0 ? 2 : std::is_same<T, __half>::value ? 3 : 4;
-#endif
-
+// compiler keeps its instructions in every loop, predicated off. General p (kOther) takes it at
+// run time (args.swap; kSwap false): pow, not instructions, bounds it.
 template <typename T, NormKind K, bool kSwap, int kTPR>
-__global__ void __launch_bounds__(kBlockThreads, kRowsMinBlocks<T, kTPR>)
+__global__ void __launch_bounds__(kBlockThreads, kRowsMinBlocks<kTPR>)
     forward_rows_kernel(const ForwardArgs<T> args) {
   allow_follow_up();
   using S = sum_t<T>;
@@ -308,8 +379,9 @@ __global__ void __launch_bounds__(kBlockThreads, kRowsMinBlocks<T, kTPR>)
     const int64_t first = slice * args.split_elems;
     RowSums<S> s{norm.identity(), norm.identity(), norm.identity()};
     if (row < args.rows) {
-      accumulate_slice<kTPR, T, K, kSwap>(args, norm, row, first,
-                                          min(args.split_elems, args.dim - first), lane, s);
+      accumulate_slice<kTPR, T, K>(args, norm, row, first,
+                                   min(args.split_elems, args.dim - first), lane,
+                                   K == NormKind::kOther ? args.swap : kSwap, s);
     }
     s = team_reduce(s, tpr, norm, smem_rows);
     if (row < args.rows && lane == 0) write_unit<kTPR != 0>(args, norm, s, row, slice, loss_sum);
@@ -330,8 +402,8 @@ struct RingTiles {
 // smaller teams: one tile of each, `tiles`). Every thread takes its next packs of its row there,
 // at lane, lane + tpr, ...: the rows kernel's packs in the rows kernel's order.
 // kTiles: teams of 8 or 32, float32 only (a bf16 warp's stage segment is over the copy engine's
-// 256 elements, and (262144, 256) bf16 in teams of 8 ran 0.1236 ms against 0.1078 with register
-// loads); else whole-block teams (tpr = the block), one row or slice per unit.
+// 256 elements, and bf16 teams of 8 were faster with register loads); else whole-block teams
+// (tpr = the block), one row or slice per unit.
 template <typename T, NormKind K, bool kSwap, bool kTiles>
 __global__ void __launch_bounds__(kBlockThreads)
     forward_ring_kernel(const ForwardArgs<T> args, const __grid_constant__ RingTiles tiles) {
@@ -404,7 +476,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     const int64_t row = group * rows_per_unit + team;
     const int64_t first = slice * args.split_elems;
     const int64_t end = min(first + args.split_elems, args.dim);
-    RowSums<S> s{norm.identity(), norm.identity(), norm.identity()};
+    PackSums<T, K> sums(norm);
     for (int64_t k = 0; k < per_unit; ++k, ++c) {
       const int stage = static_cast<int>(c % kRingStages);
       RingBarrier{&full[stage]}.wait(static_cast<uint32_t>((c / kRingStages) & 1));
@@ -416,26 +488,26 @@ __global__ void __launch_bounds__(kBlockThreads)
                             ? static_cast<int>(max(int64_t(0), min(int64_t(segment_elems), end - col)) / kVec)
                             : 0;
       for (int v = lane; v < packs; v += tpr) {
-        accumulate_packs(norm, s, as_pack<T>(in[v]), as_pack<T>(in[chunk_packs + v]),
-                         as_pack<T>(in[2 * chunk_packs + v]), args.eps, kSwap);
+        sums.add(norm, as_pack<T>(in[v]), as_pack<T>(in[chunk_packs + v]),
+                 as_pack<T>(in[2 * chunk_packs + v]), args.eps, kSwap);
       }
       __syncthreads();  // every thread is done with the stage: it takes stage c + kRingStages
       if (threadIdx.x == 0) issue_next();
     }
-    s = team_reduce(s, tpr, norm, smem_rows);
+    const RowSums<S> s = team_reduce(sums.sums(norm, kSwap), tpr, norm, smem_rows);
     if (row < args.rows && lane == 0) write_unit(args, norm, s, row, slice, loss_sum);
   }
   write_block_sum<kTiles ? 0 : kBlockThreads>(args, lane, loss_sum);
 #endif
 }
 
-// Split rows: a warp combines each row's slices in a fixed tree (a row's 128 slices one after
-// another took 5% of (4, 16777216)), then its distances and loss. Then, for 'mean' / 'sum' (out
-// not null), the sum of the row losses or of the main kernel's block sums in double, in a fixed
-// order, divided by `divisor` (rows for 'mean').
+// Split rows: a warp combines each row's slices in a fixed tree (one thread per row was slower),
+// then its distances and loss. Then, for 'mean' / 'sum' (out not null), the sum of the row
+// losses or of the main kernel's block sums in double, in a fixed order, divided by `divisor`
+// (rows for 'mean').
 template <typename T>
 __global__ void __launch_bounds__(kFinishThreads)
-    forward_finish_kernel(const ForwardArgs<T> args, int64_t block_sums, double divisor, T* out) {
+    forward_finish_kernel(const ForwardArgs<T> args, int64_t block_sums, double divisor, void* out) {
   using S = sum_t<T>;
   constexpr int kWarps = kFinishThreads / 32;
   __shared__ double smem[kWarps];
@@ -465,10 +537,11 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
   if (out != nullptr) {  // uniform: every thread reaches block_sum's barrier
     total = block_sum<kFinishThreads>(total, smem);
-    if (threadIdx.x == 0) out[0] = from_acc<T>(total / divisor);
+    if (threadIdx.x == 0) store_loss<T>(out, args.float32_loss, 0, total / divisor);
   }
 }
 
+// library-only {
 // ==== Backward =====================================================================================
 
 template <typename T>
@@ -484,32 +557,23 @@ struct BackwardArgs {
   bool vectorized;  // input and gradient rows 16-byte aligned
   bool swap;
   bool hinge_at_zero;
+  bool float32_upstream;  // grad is float32 (the loss's dtype under autocast), else T
   acc_t<T> eps, margin;
   NormParams norm;
   const acc_t<T>* dists;  // [2 or 3, rows] from the forward
-  const T* grad;          // upstream gradient: [rows] ('none') or one value
+  const void* grad;       // upstream gradient: [rows] ('none') or one value
   int64_t grad_stride;    // 1 or 0
   acc_t<T> grad_scale;    // 1 / rows for 'mean', else 1
   T* grad_a;              // [rows, dim] contiguous, or null when not needed
   T* grad_p;
   T* grad_n;
-  int* upstream_flag;     // 'mean' / 'sum': set to whether the upstream gradient is 1, or null
-  bool in_place;          // grad_a/p/n hold the one pass's gradients: apply the upstream one
 };
 
-// The types the one-pass forward takes. Their 'mean' / 'sum' gradients are upstream x (the
-// local gradient, rounded to T) in every path, so that the paths give the same bits. fp16 stays
-// upstream-first: a 'mean' gradient can lie below fp16's normal range until GradScaler's scale
-// reaches it.
+// The upstream gradient at `at`, in the element arithmetic.
 template <typename T>
-constexpr bool kUpstreamLast = std::is_same<T, float>::value || std::is_same<T, __nv_bfloat16>::value;
-
-// The backward notes for the next forward whether its upstream gradient was exactly 1.
-template <typename T>
-__device__ __forceinline__ void note_upstream(const BackwardArgs<T>& args) {
-  if (args.upstream_flag != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-    *static_cast<volatile int*>(args.upstream_flag) = to_acc(args.grad[0]) == acc_t<T>(1);
-  }
+__device__ __forceinline__ acc_t<T> upstream_at(const BackwardArgs<T>& args, int64_t at) {
+  if (args.float32_upstream) return static_cast<const float*>(args.grad)[at];
+  return to_acc(static_cast<const T*>(args.grad)[at]);
 }
 
 template <typename A>
@@ -525,7 +589,9 @@ __device__ __forceinline__ A norm_grad_elem(NormMode mode, A p, A u, A d) {
   } else if constexpr (K == NormKind::kOne) {
     return sgn(u);
   } else {
-    switch (mode) {
+    switch (mode) {  // p = 2 and 1 as their compile-time kinds, so that the bits agree
+      case NormMode::kTwo: return u;
+      case NormMode::kOne: return sgn(u);
       case NormMode::kZero: return A(0);
       case NormMode::kInf:
       case NormMode::kNegInf: return (abs_acc(u) == d || u != u) ? sgn(u) : A(0);
@@ -555,6 +621,8 @@ __device__ __forceinline__ A norm_grad_scale(NormMode mode, A p, A g, A d, A tie
     return g;
   } else {
     switch (mode) {
+      case NormMode::kTwo: return d == A(0) ? A(0) : scale_div(g, d);
+      case NormMode::kOne: return g;
       case NormMode::kZero: return A(0);
       case NormMode::kInf:
       case NormMode::kNegInf: return scale_div(g, ties);
@@ -575,29 +643,25 @@ struct RowGrad {
   A d_ap, d_an, d_pn;  // distances
   A g_ap, g_an, g_pn;  // upstream gradient reaching each distance
   A c_ap, c_an, c_pn;  // scales of f (set by scale())
-  A last;              // upstream gradient applied to the rounded gradient (1: none)
 
-  // A row's distances as the forward stored them; `first`, the upstream gradient folded into
-  // the scales, and `last`, the one applied to the rounded gradient (kUpstreamLast types; 1
-  // otherwise). Then the hinge and the swap choice. An inactive row gets neither.
+  // A row's distances as the forward stored them and the upstream gradient reaching its loss
+  // (times 1 / rows for 'mean'); then the hinge and the swap choice. An inactive row gets none.
   __device__ __forceinline__ RowGrad(const NormParams& norm, A eps_, A margin, bool swap_,
-                                     bool hinge_at_zero, A d_ap_, A d_an_, A d_pn_, A first,
-                                     A last_)
+                                     bool hinge_at_zero, A d_ap_, A d_an_, A d_pn_, A upstream)
       : mode(norm.mode), p(static_cast<A>(norm.p)), eps(eps_), swap(swap_), d_ap(d_ap_),
         d_an(d_an_), d_pn(swap_ ? d_pn_ : A(0)) {
     const A d_neg = swap ? min_nan(d_an, d_pn) : d_an;
     const A hinge_in = margin + d_ap - d_neg;
     const bool active = hinge_in > A(0) || (hinge_in == A(0) && hinge_at_zero);
-    const A g = active ? first : A(0);
-    last = active ? last_ : A(1);
-    A w_an = A(1), w_pn = A(0);
-    if (swap) {
-      w_an = d_an > d_pn ? A(0) : (d_an == d_pn ? A(0.5) : A(1));
-      w_pn = d_an < d_pn ? A(0) : (d_an == d_pn ? A(0.5) : A(1));
-    }
+    // Selected, never multiplied by 0 (an infinite upstream gradient would make NaN of it).
+    const A g = active ? upstream : A(0);
     g_ap = g;
-    g_an = -g * w_an;
-    g_pn = -g * w_pn;
+    g_an = -g;
+    g_pn = A(0);
+    if (swap) {
+      g_an = d_an > d_pn ? A(0) : d_an == d_pn ? -g * A(0.5) : -g;
+      g_pn = d_an < d_pn ? A(0) : d_an == d_pn ? -g * A(0.5) : -g;
+    }
   }
   // ties: for inf-norms, the number of entries equal to each norm (1 otherwise).
   __device__ __forceinline__ void scale(A ties_ap, A ties_an, A ties_pn) {
@@ -616,47 +680,6 @@ struct RowGrad {
     gp = add_rn(f_pn, -f_ap);
     gn = add_rn(-f_an, -f_pn);
   }
-  // Rounded gradients times the upstream gradient `last`: the one-pass gradients get it in
-  // backward_rows_kernel's in_place mode, the others as they are written, with the same
-  // rounding. `last` is a T value, so the product is exact before its one rounding: bfloat16
-  // pairs multiply as bfloat16x2 (one instruction; through float, weighted bf16 backwards ran
-  // 5-8% slower).
-  __device__ __forceinline__ void times_last(uint4& words) const {  // a pack, as stored
-    if constexpr (kUpstreamLast<T>) {
-      if (last == A(1)) return;
-      uint32_t w[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-          __nv_bfloat162 pair;
-          memcpy(&pair, &w[k], 4);
-          pair = __hmul2(pair, __float2bfloat162_rn(last));
-          memcpy(&w[k], &pair, 4);
-        } else {
-          w[k] = __float_as_uint(mul_rn(__uint_as_float(w[k]), last));
-        }
-      }
-      words = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-  }
-  __device__ __forceinline__ T times_last(T x) const {
-    if constexpr (kUpstreamLast<T>) {
-      if (last == A(1)) return x;
-      if constexpr (std::is_same<T, __nv_bfloat16>::value) return __hmul(x, __float2bfloat16_rn(last));
-      else return mul_rn(x, last);
-    }
-    return x;
-  }
-  __device__ __forceinline__ void store_times_last(T* out, int64_t at, const Pack<T>& x) const {
-    if (out == nullptr) return;
-    uint4 words;
-    memcpy(&words, &x, sizeof(words));
-    times_last(words);
-    *reinterpret_cast<uint4*>(out + at) = words;
-  }
-  __device__ __forceinline__ void write(T* out, int64_t at, A g) const {
-    if (out != nullptr) out[at] = times_last(from_acc<T>(g));
-  }
   // The same for one 16-byte pack of each input, written where needed at element `at`.
   __device__ __forceinline__ void write_pack(T* out_a, T* out_p, T* out_n, int64_t at,
                                              const Pack<T>& a, const Pack<T>& p_,
@@ -670,61 +693,29 @@ struct RowGrad {
       op.v[j] = from_acc<T>(gp);
       on.v[j] = from_acc<T>(gn);
     }
-    store_times_last(out_a, at, oa);
-    store_times_last(out_p, at, op);
-    store_times_last(out_n, at, on);
+    if (out_a != nullptr) *reinterpret_cast<Pack<T>*>(out_a + at) = oa;
+    if (out_p != nullptr) *reinterpret_cast<Pack<T>*>(out_p + at) = op;
+    if (out_n != nullptr) *reinterpret_cast<Pack<T>*>(out_n + at) = on;
   }
   __device__ __forceinline__ void write_elem(const BackwardArgs<T>& args, int64_t at, T a, T p_,
                                              T n) const {
     A ga, gp, gn;
     (*this)(to_acc(a), to_acc(p_), to_acc(n), ga, gp, gn);
-    write(args.grad_a, at, ga);
-    write(args.grad_p, at, gp);
-    write(args.grad_n, at, gn);
+    if (args.grad_a != nullptr) args.grad_a[at] = from_acc<T>(ga);
+    if (args.grad_p != nullptr) args.grad_p[at] = from_acc<T>(gp);
+    if (args.grad_n != nullptr) args.grad_n[at] = from_acc<T>(gn);
   }
 };
 
 // A row's RowGrad in the backward: distances from the forward, the upstream gradient given.
-// Last for the types and reductions the one pass takes ('mean' / 'sum': grad_stride 0), first
-// otherwise (one rounding: per-row upstream gradients of 'none' in bf16 were less accurate
-// than torch's, applied last).
 template <typename T, NormKind K>
 __device__ __forceinline__ RowGrad<T, K> backward_row_grad(const BackwardArgs<T>& args,
                                                            int64_t row, bool swap) {
   using A = acc_t<T>;
-  const A upstream = to_acc(args.grad[row * args.grad_stride]);
   const A d_pn = swap ? args.dists[2 * args.rows + row] : A(0);
-  const bool last = kUpstreamLast<T> && args.grad_stride == 0;
   return RowGrad<T, K>(args.norm, args.eps, args.margin, swap, args.hinge_at_zero,
                        args.dists[row], args.dists[args.rows + row], d_pn,
-                       last ? args.grad_scale : upstream * args.grad_scale,
-                       last ? upstream : A(1));
-}
-
-// The backward of the one pass ('mean' / 'sum', gradients as forward_one_pass_kernel wrote
-// them): the upstream gradient applied in place, as RowGrad::times_last applies it, over a grid
-// of at most kUpstreamBlocks. Nothing when it is 1 (the common loss.backward()). Inactive rows
-// keep their gradients (torch's clamp_min passes none of a NaN or inf upstream gradient to them).
-template <typename T>
-__device__ __forceinline__ void apply_upstream_in_place(const BackwardArgs<T>& args) {
-  using A = acc_t<T>;
-  constexpr int kVec = Pack<T>::kN;
-  if (to_acc(args.grad[0]) == A(1)) return;
-  const int64_t row_packs = args.dim / kVec;
-  const int64_t packs = args.rows * row_packs;
-  T* outs[3] = {args.grad_a, args.grad_p, args.grad_n};
-  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < packs;
-       v += int64_t(gridDim.x) * blockDim.x) {
-    const RowGrad<T, NormKind::kTwo> rg =
-        backward_row_grad<T, NormKind::kTwo>(args, v / row_packs, args.swap);
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      if (outs[k] == nullptr) continue;
-      uint4 words = *reinterpret_cast<const uint4*>(outs[k] + v * kVec);
-      rg.times_last(words);
-      *reinterpret_cast<uint4*>(outs[k] + v * kVec) = words;
-    }
-  }
+                       upstream_at(args, row * args.grad_stride) * args.grad_scale);
 }
 
 struct PlainSum {  // combine for counting inf-norm ties with team_reduce
@@ -732,22 +723,16 @@ struct PlainSum {  // combine for counting inf-norm ties with team_reduce
   __device__ __forceinline__ S combine(S a, S b) const { return a + b; }
 };
 
-// Units as the forward's rows kernel (groups of rows, or slices of split rows). An explicit 1
-// block per SM: ptxas's own target spills a few bytes on sm_100. With args.in_place, the one
-// pass's backward instead (apply_upstream_in_place).
-template <typename T, NormKind K>
-__global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const BackwardArgs<T> args) {
+// Units as the forward's rows kernel (groups of rows, or slices of split rows). The norm's kind
+// at run time: the pointwise kernel takes the aligned rows of p = 1 and 2, so this one runs them
+// element by element (unaligned rows) or past 2^31 packs.
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads, kBackwardRowsMinBlocks)
+    backward_rows_kernel(const BackwardArgs<T> args) {
   using A = acc_t<T>;
+  constexpr NormKind K = NormKind::kOther;
   constexpr int kVec = Pack<T>::kN;
-  // Packs per input in flight: 4 (fp32: 16 elements); 2 for 16-bit types (the same 16 elements;
-  // 4 took 170 registers), 1 for general p (pow calls would spill).
-  constexpr int kUnroll = K == NormKind::kOther ? 1 : sizeof(T) == 2 ? 2 : 4;
   __shared__ RowSums<A> smem_rows[kBlockThreads / 32];
-  note_upstream(args);
-  if (args.in_place) {  // the one pass's backward
-    if constexpr (kUpstreamLast<T>) apply_upstream_in_place(args);
-    return;
-  }
   const int tpr = args.tpr;
   const int team = threadIdx.x / tpr;
   const int lane = threadIdx.x % tpr;
@@ -793,28 +778,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const B
     p += first;
     n += first;
     int64_t i = lane;  // element index of the tail / unaligned loop
-    // General p with 2-byte types goes element by element: a pack's 8 elements live across 24
-    // pow calls and spill (pow, not loads, bounds that kernel).
-    if (args.vectorized && (K != NormKind::kOther || sizeof(T) > 2)) {
+    // 2-byte types go element by element: a pack's 8 elements live across 24 pow calls and
+    // spill (pow, not loads, bounds this kernel).
+    if (args.vectorized && sizeof(T) > 2) {
       const int64_t packs = len / kVec;
-      for (int64_t v0 = lane; v0 < packs; v0 += int64_t(kUnroll) * tpr) {
-        Pack<T> pa[kUnroll], pp[kUnroll], pn[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = v0 + int64_t(u) * tpr;
-          if (v < packs) {
-            pa[u] = load_stream(a + v * kVec);
-            pp[u] = load_stream(p + v * kVec);
-            pn[u] = load_stream(n + v * kVec);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = v0 + int64_t(u) * tpr;
-          if (v >= packs) break;
-          rg.write_pack(args.grad_a, args.grad_p, args.grad_n, out + v * kVec, pa[u], pp[u],
-                        pn[u]);
-        }
+      for (int64_t v = lane; v < packs; v += tpr) {
+        rg.write_pack(args.grad_a, args.grad_p, args.grad_n, out + v * kVec,
+                      load_stream(a + v * kVec), load_stream(p + v * kVec),
+                      load_stream(n + v * kVec));
       }
       i = packs * kVec + lane;
     }
@@ -822,23 +793,22 @@ __global__ void __launch_bounds__(kBlockThreads, 1) backward_rows_kernel(const B
   }
 }
 
-// Aligned rows, p = 2 or 1: given the per-row scales the gradient is elementwise, so each thread
-// loads packs of each input into registers (all loads first, plain loads), as Triton's pointwise
-// backward does. The threads of a row load the same distances, from L1.
+// Aligned rows, p = 2 or 1: given the per-row scales the gradient is elementwise. The packs
+// first, first + kPointwiseThreads, ... below `end`: each thread loads kPointwisePacks packs of
+// each input into registers (all loads first, plain loads), as Triton's pointwise backward does.
+// The threads of a row load the same distances, from L1.
 template <typename T, NormKind K, bool kSwap>
-__global__ void __launch_bounds__(kPointwiseThreads, kSwap ? 1 : kPointwiseMinBlocks)
-    backward_pointwise_kernel(const BackwardArgs<T> args, uint32_t packs, uint32_t row_packs) {
+__device__ __forceinline__ void pointwise_packs(const BackwardArgs<T>& args, uint32_t first,
+                                                uint32_t end, uint32_t row_packs) {
   static_assert(K != NormKind::kOther, "no inf-norm tie counting here");
   using A = acc_t<T>;
   constexpr int kVec = Pack<T>::kN;
-  note_upstream(args);
-  const uint32_t first = blockIdx.x * uint32_t(kPointwiseThreads * kPointwisePacks) + threadIdx.x;
   Pack<T> pa[kPointwisePacks], pp[kPointwisePacks], pn[kPointwisePacks];
   uint32_t row[kPointwisePacks];
 #pragma unroll
   for (int j = 0; j < kPointwisePacks; ++j) {
     const uint32_t v = first + uint32_t(j * kPointwiseThreads);
-    if (v < packs) {
+    if (v < end) {
       row[j] = v / row_packs;
       const int64_t col = int64_t(v - row[j] * row_packs) * kVec;
       pa[j] = load_plain(args.a + row[j] * args.stride_a + col);
@@ -849,10 +819,62 @@ __global__ void __launch_bounds__(kPointwiseThreads, kSwap ? 1 : kPointwiseMinBl
 #pragma unroll
   for (int j = 0; j < kPointwisePacks; ++j) {
     const uint32_t v = first + uint32_t(j * kPointwiseThreads);
-    if (v >= packs) break;
+    if (v >= end) break;
     RowGrad<T, K> rg = backward_row_grad<T, K>(args, row[j], kSwap);
     rg.scale(A(1), A(1), A(1));
     rg.write_pack(args.grad_a, args.grad_p, args.grad_n, int64_t(v) * kVec, pa[j], pp[j], pn[j]);
+  }
+}
+
+template <typename T, NormKind K, bool kSwap>
+__global__ void __launch_bounds__(kPointwiseThreads,
+                                  kSwap ? kPointwiseMinBlocksSwap : kPointwiseMinBlocks)
+    backward_pointwise_kernel(const BackwardArgs<T> args, uint32_t packs, uint32_t row_packs) {
+  const uint32_t first = blockIdx.x * uint32_t(kPointwiseThreads * kPointwisePacks) + threadIdx.x;
+  pointwise_packs<T, K, kSwap>(args, first, packs, row_packs);
+}
+
+// The same bits for equal floats only (0.0 and -0.0 give gradients of other signs); NaN never
+// matches.
+__device__ __forceinline__ bool same_upstream(float predicted, float actual) {
+  return predicted == predicted && __float_as_uint(predicted) == __float_as_uint(actual);
+}
+
+// After the one pass, over the pointwise kernel's groups of packs: block b takes groups b,
+// b + grid, ... (the blocks in flight stream neighbouring memory, as the pointwise kernel's do).
+// If the forward wrote the gradients of all their rows for this upstream gradient, it exits;
+// else it recomputes its groups as the pointwise backward does (the same bits where they were
+// right). Block 0 also records the upstream gradient for the next forward of the problem
+// (nothing else reads the history meanwhile).
+template <typename T, NormKind K, bool kSwap>
+__global__ void __launch_bounds__(kCheckThreads)
+    backward_check_kernel(const BackwardArgs<T> args, const float* predicted,
+                          UpstreamHistory* history, uint32_t packs, uint32_t row_packs) {
+  constexpr uint32_t kGroup = kPointwiseThreads * kPointwisePacks;
+  const float upstream = static_cast<float>(upstream_at(args, 0));
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    const uint2 before = *reinterpret_cast<const uint2*>(history);
+    const uint32_t bits = __float_as_uint(upstream);
+    *reinterpret_cast<uint2*>(history) = make_uint2(bits, bits == before.x ? 1u : 0u);
+  }
+  const uint32_t groups = (packs + kGroup - 1) / kGroup;
+  // The rows of this block's groups, spread over its threads: (group, row in it) pairs, a group
+  // spanning at most `span` rows.
+  const uint32_t span = (kGroup + row_packs - 1) / row_packs + 1;
+  const uint32_t pairs = (groups - blockIdx.x + gridDim.x - 1) / gridDim.x * span;
+  bool differs = false;
+#pragma unroll 4
+  for (uint32_t i = threadIdx.x; i < pairs; i += kCheckThreads) {
+    const uint32_t g = blockIdx.x + i / span * gridDim.x;
+    const uint32_t r = g * kGroup / row_packs + i % span;
+    if (r <= (min(packs, (g + 1) * kGroup) - 1) / row_packs) {
+      differs |= !same_upstream(predicted[r], upstream);
+    }
+  }
+  if (!__syncthreads_or(differs)) return;
+#pragma unroll 1
+  for (uint32_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    pointwise_packs<T, K, kSwap>(args, g * kGroup + threadIdx.x, packs, row_packs);
   }
 }
 
@@ -866,14 +888,16 @@ struct OnePassArgs {
   acc_t<T> margin;
   acc_t<T> grad_scale;  // 1 / rows for 'mean', else 1
   bool hinge_at_zero;
-  int packs_per_thread;  // of each input, in shared memory: ceil(row packs / team)
+  int packs_per_thread;  // of each input, in shared memory
+  const UpstreamHistory* history;
+  float* predicted;  // [rows]: the upstream gradient each row's gradient assumes, NaN for none
 };
 
 // Training, p = 1 or 2, aligned rows of whole packs that the rows kernel's teams cover with at
 // most kOnePassPacks packs per thread: the rows kernel (same teams, packs, order and reduction
 // tree: the same loss and distances) with every pack kept in shared memory until the row's
-// distances are known, then the backward's RowGrad on them for an upstream gradient of 1 (the
-// same bits as the backward kernels given 1). Copied straight to shared memory: held in
+// distances are known, then the backward's RowGrad on them for the predicted upstream gradient
+// (the same bits as the backward kernels given it). Copied straight to shared memory: held in
 // registers, 8 packs of each input took 170 registers (1 block per SM) or spilled at 128.
 // Each thread reads back only its own packs: no barrier between copy and use.
 template <typename T, NormKind K, bool kSwap>
@@ -886,6 +910,10 @@ __global__ void __launch_bounds__(kBlockThreads, kOnePassMinBlocks)
   extern __shared__ uint4 held[];  // [input][pack j][thread]: conflict-free 16-byte slots
   __shared__ RowSums<S> smem_rows[kBlockThreads / 32];
   const Norm<T, K> norm(args.norm);
+  // The prediction: the last upstream gradient, if it repeated (and is finite).
+  const uint2 history = *reinterpret_cast<const uint2*>(out.history);
+  const float last = __uint_as_float(history.x);
+  const bool predict = history.y != 0 && isfinite(last);
   const int tpr = args.tpr;
   const int team = threadIdx.x / tpr;
   const int lane = threadIdx.x % tpr;
@@ -911,13 +939,12 @@ __global__ void __launch_bounds__(kBlockThreads, kOnePassMinBlocks)
       copy_to_shared(held_n + j * kBlockThreads, n + at);
     }
     wait_copies_to_shared();
-    RowSums<S> s{norm.identity(), norm.identity(), norm.identity()};
+    PackSums<T, K> sums(norm);
     for (int j = 0; j < mine; ++j) {
-      accumulate_packs(norm, s, as_pack<T>(held_a[j * kBlockThreads]),
-                       as_pack<T>(held_p[j * kBlockThreads]), as_pack<T>(held_n[j * kBlockThreads]),
-                       args.eps, kSwap);
+      sums.add(norm, as_pack<T>(held_a[j * kBlockThreads]), as_pack<T>(held_p[j * kBlockThreads]),
+               as_pack<T>(held_n[j * kBlockThreads]), args.eps, kSwap);
     }
-    s = team_reduce(s, tpr, norm, smem_rows);
+    RowSums<S> s = team_reduce(sums.sums(norm, kSwap), tpr, norm, smem_rows);
     if (tpr > 32) {  // block-uniform: lane 0 holds the sums; the whole team needs them
       if (lane == 0) smem_rows[team] = s;
       __syncthreads();
@@ -925,13 +952,17 @@ __global__ void __launch_bounds__(kBlockThreads, kOnePassMinBlocks)
       __syncthreads();
     }
     if (!live) continue;
-    if (lane == 0) finish_row(args, norm, s, row, loss_sum);
+    if (lane == 0) {
+      finish_row(args, norm, s, row, loss_sum);
+      out.predicted[row] = predict ? last : __uint_as_float(0x7fc00000u);
+    }
+    if (!predict) continue;
     // The distances as finish_row stores them, which the backward kernels read.
     const A d_ap = static_cast<A>(norm.finish(s.ap));
     const A d_an = static_cast<A>(norm.finish(s.an));
     const A d_pn = kSwap ? static_cast<A>(norm.finish(s.pn)) : A(0);
     RowGrad<T, K> rg(args.norm, args.eps, out.margin, kSwap, out.hinge_at_zero, d_ap, d_an, d_pn,
-                     out.grad_scale, A(1));
+                     static_cast<A>(last) * out.grad_scale);
     rg.scale(A(1), A(1), A(1));
     const int64_t first = row * args.dim + lane * kVec;
     for (int j = 0; j < mine; ++j) {
@@ -943,16 +974,82 @@ __global__ void __launch_bounds__(kBlockThreads, kOnePassMinBlocks)
   write_block_sum<0>(args, lane, loss_sum);
 }
 
+// library-only }
+
+// ==== Dispatch: a problem's element type, norm kind and swap as compile-time values =================
+
+namespace {
+
+template <typename T> struct Tag { using type = T; };
+template <NormKind K> using Kind = std::integral_constant<NormKind, K>;
+template <bool B> using Swap = std::integral_constant<bool, B>;
+
+NormKind norm_kind(double p) {
+  return p == 2.0 ? NormKind::kTwo : p == 1.0 ? NormKind::kOne : NormKind::kOther;
+}
+
+// f(Tag<T>, Kind<K>, Swap<kSwap>) for the problem's kernels: p = 2 and 1 compiled in for 2- and
+// 4-byte types, with swap; general p and float64 (whose speed matters less than the kernels'
+// count) take both at run time (kOther, swap false). (The KernelBench file: float32, p = 2, no
+// swap, which its ops check.)
+// kernelbench-only: template <typename F>
+// kernelbench-only: void with_variant(const TripletProblem&, F&& f) {
+// kernelbench-only:   f(Tag<float>{}, Kind<NormKind::kTwo>{}, Swap<false>{});
+// kernelbench-only: }
+// library-only {
+template <typename T, typename F>
+void with_kind_and_swap(const TripletProblem& pr, F&& f) {
+  const NormKind kind = norm_kind(pr.p_norm);
+  if constexpr (std::is_same<T, double>::value) {
+    f(Tag<T>{}, Kind<NormKind::kOther>{}, Swap<false>{});
+  } else if (kind == NormKind::kTwo) {
+    pr.swap ? f(Tag<T>{}, Kind<NormKind::kTwo>{}, Swap<true>{})
+            : f(Tag<T>{}, Kind<NormKind::kTwo>{}, Swap<false>{});
+  } else if (kind == NormKind::kOne) {
+    pr.swap ? f(Tag<T>{}, Kind<NormKind::kOne>{}, Swap<true>{})
+            : f(Tag<T>{}, Kind<NormKind::kOne>{}, Swap<false>{});
+  } else {
+    f(Tag<T>{}, Kind<NormKind::kOther>{}, Swap<false>{});
+  }
+}
+
+template <typename F>
+void with_variant(const TripletProblem& pr, F&& f) {
+  switch (pr.dtype) {
+    case DType::kHalf: with_kind_and_swap<__half>(pr, f); break;
+    case DType::kBFloat16: with_kind_and_swap<__nv_bfloat16>(pr, f); break;
+    case DType::kFloat: with_kind_and_swap<float>(pr, f); break;
+    case DType::kDouble: with_kind_and_swap<double>(pr, f); break;
+  }
+}
+
+// Blocks of kKernel that one SM of the current device holds at `threads` threads, once per kernel
+// and device.
+template <auto kKernel>
+int resident_blocks(int threads) {
+  static std::atomic<int> known[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (device < kMaxDevices && known[device].load() > 0) return known[device].load();
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  blocks = std::max(blocks, 1);
+  if (device < kMaxDevices) known[device].store(blocks);
+  return blocks;
+}
+// library-only }
+
+}  // namespace
+
 // ==== The plans ====================================================================================
 
 namespace {
 
 int element_size(DType dtype) {
   return dtype == DType::kDouble ? 8 : dtype == DType::kFloat ? 4 : 2;
-}
-
-NormKind norm_kind(double p) {
-  return p == 2.0 ? NormKind::kTwo : p == 1.0 ? NormKind::kOne : NormKind::kOther;
 }
 
 NormParams norm_params(double p) {
@@ -978,85 +1075,85 @@ bool rows_aligned(const void* ptr, int64_t stride, int64_t rows, int size) {
          (rows <= 1 || (stride * size) % kVecBytes == 0);
 }
 
-bool inputs_aligned(const TripletProblem& pr) {
-  const int size = element_size(pr.dtype);
-  return rows_aligned(pr.a, pr.stride_a, pr.rows, size) &&
-         rows_aligned(pr.p, pr.stride_p, pr.rows, size) &&
-         rows_aligned(pr.n, pr.stride_n, pr.rows, size);
-}
+// What the plans read off a problem once: its layout, and the rows kernels' teams, slices and
+// units, from the shape alone (both directions and every family share them, so a thread's
+// elements and the reduction tree do not depend on the family).
+struct Geometry {
+  int64_t row_bytes;
+  int64_t row_packs;  // 16-byte packs per row, rounded up
+  bool aligned;       // every row start 16-byte aligned
+  bool whole_packs;   // every row a whole number of packs
+  int tpr;
+  int64_t splits, split_elems, units;
+};
 
-int one_pass_smem(int64_t packs_per_thread) {  // a, p, n: packs_per_thread each per thread
-  return static_cast<int>(3 * packs_per_thread * kBlockThreads * kVecBytes);
-}
-
-bool rows_are_packs(const TripletProblem& pr) {  // every row a whole number of 16-byte packs
-  return (pr.dim * element_size(pr.dtype)) % kVecBytes == 0;
-}
-
-// Teams, slices and units of the row kernels, from the shape alone: both directions and every
-// family share them, so a thread's elements and the reduction tree do not depend on the family.
-LaunchPlan row_geometry(const TripletProblem& pr) {
+Geometry geometry_of(const TripletProblem& pr) {
   const int64_t size = element_size(pr.dtype);
-  const int64_t packs = (pr.dim * size + kVecBytes - 1) / kVecBytes;
-  LaunchPlan plan{};
-  plan.threads_per_row = packs <= kTeam8MaxPacks ? 8 : packs <= kWarpMaxPacks ? 32 : kBlockThreads;
+  Geometry g{};
+  g.row_bytes = pr.dim * size;
+  g.row_packs = (g.row_bytes + kVecBytes - 1) / kVecBytes;
+  g.aligned = rows_aligned(pr.a, pr.stride_a, pr.rows, size) &&
+              rows_aligned(pr.p, pr.stride_p, pr.rows, size) &&
+              rows_aligned(pr.n, pr.stride_n, pr.rows, size);
+  g.whole_packs = g.row_bytes % kVecBytes == 0;
+  g.tpr = g.row_packs <= kSmallTeamMaxPacks ? kSmallTeam
+          : g.row_packs <= kWarpMaxPacks    ? kWarpTeam
+                                            : kBlockThreads;
   auto groups = [&](int tpr) {
     return (pr.rows + kBlockThreads / tpr - 1) / (kBlockThreads / tpr);
   };
-  while (plan.threads_per_row < kBlockThreads && groups(plan.threads_per_row) < kFillBlocks) {
-    const int bigger = plan.threads_per_row == 8 ? 32 : kBlockThreads;
-    if (packs < bigger) break;  // every thread of the team still gets a pack
-    plan.threads_per_row = bigger;
+  while (g.tpr < kBlockThreads && groups(g.tpr) < kFillBlocks) {
+    const int bigger = g.tpr == kSmallTeam ? kWarpTeam : kBlockThreads;
+    if (g.row_packs < bigger) break;  // every thread of the team still gets a pack
+    g.tpr = bigger;
   }
-  plan.splits = 1;
-  plan.split_elems = pr.dim;
-  if (plan.threads_per_row == kBlockThreads && pr.rows < kFillBlocks / 2) {
-    const int64_t row_bytes = pr.dim * size;
+  g.splits = 1;
+  g.split_elems = pr.dim;
+  if (g.tpr == kBlockThreads && pr.rows < kFillBlocks / 2) {
     const int64_t want = (kSplitBlocks + pr.rows - 1) / pr.rows;  // slices per row
-    int64_t slice_bytes = std::max(kMinSliceBytes, (row_bytes + want - 1) / want);
+    int64_t slice_bytes = std::max(kMinSliceBytes, (g.row_bytes + want - 1) / want);
     slice_bytes = (slice_bytes + kVecBytes - 1) / kVecBytes * kVecBytes;  // slices stay aligned
-    const int64_t splits = (row_bytes + slice_bytes - 1) / slice_bytes;
+    const int64_t splits = (g.row_bytes + slice_bytes - 1) / slice_bytes;
     if (splits > 1) {
-      plan.splits = splits;
-      plan.split_elems = slice_bytes / size;
+      g.splits = splits;
+      g.split_elems = slice_bytes / size;
     }
   }
-  plan.units = groups(plan.threads_per_row) * plan.splits;
-  plan.grid = std::min(plan.units, kMaxGrid);
-  return plan;
+  g.units = groups(g.tpr) * g.splits;
+  return g;
 }
 
 // Bytes of each input per ring stage.
-int ring_chunk_bytes(const TripletProblem& pr, const LaunchPlan& geometry) {
-  const bool whole_long_rows = geometry.splits == 1 && geometry.threads_per_row == kBlockThreads;
+int ring_chunk_bytes(const TripletProblem& pr, const Geometry& g) {
+  const bool whole_long_rows = g.splits == 1 && g.tpr == kBlockThreads;
   return element_size(pr.dtype) == 2 && whole_long_rows ? kRingChunkBytesShortElems
                                                         : kRingChunkBytes;
 }
 
-// Where the ring beats register loads (the table's thresholds; forward_family_unfit says where
-// it can run).
-bool ring_pays(const TripletProblem& pr, const LaunchPlan& geometry) {
-  const int64_t row_bytes = pr.dim * element_size(pr.dtype);
-  if (geometry.threads_per_row == kBlockThreads) return row_bytes >= kRingMinRowBytes;
-  const int64_t segment_bytes =
-      ring_chunk_bytes(pr, geometry) / (kBlockThreads / geometry.threads_per_row);
-  return pr.rows * row_bytes >= kRingTilesMinInputBytes && row_bytes % segment_bytes == 0;
+// library-only {
+int one_pass_packs_per_thread(const Geometry& g) {
+  return static_cast<int>((g.row_packs + g.tpr - 1) / g.tpr);
 }
 
-}  // namespace
+int one_pass_smem(int packs_per_thread) {  // a, p, n: packs_per_thread each per thread
+  return 3 * packs_per_thread * kBlockThreads * kVecBytes;
+}
 
-const char* forward_family_unfit(const TripletProblem& pr, ForwardFamily family) {
+int64_t total_packs(const TripletProblem& pr, const Geometry& g) { return pr.rows * g.row_packs; }
+// library-only }
+
+// Why `family` cannot take the problem, or nullptr if it can.
+const char* forward_unfit(const TripletProblem& pr, const Geometry& g, ForwardFamily family) {
+  const NormKind kind = norm_kind(pr.p_norm);
   if (family == ForwardFamily::kRing) {
     if (pr.cc_major < 9) return "the ring needs sm_90's bulk copies";
-    if (norm_kind(pr.p_norm) == NormKind::kOther) return "the ring takes p = 1 or 2 (pow, not memory, bounds the rest)";
+    if (kind == NormKind::kOther) return "the ring takes p = 1 or 2 (pow, not memory, bounds the rest)";
     if (pr.dtype == DType::kDouble) return "the ring takes 2- and 4-byte elements (float64 takes register loads)";
-    if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the ring needs 16-byte aligned rows";
-    const LaunchPlan rows = row_geometry(pr);
-    if (rows.threads_per_row < kBlockThreads) {
+    if (!g.aligned || !g.whole_packs) return "the ring needs 16-byte aligned rows";
+    if (g.tpr < kBlockThreads) {
       if (pr.dtype != DType::kFloat) return "the ring takes teams of 8 or 32 for float32 only";
       if (pr.dim == 0) return "the ring's tiles need elements";
-      if (ring_chunk_bytes(pr, rows) / (kBlockThreads / rows.threads_per_row) /
-              element_size(pr.dtype) > kTileMaxCols) {
+      if (ring_chunk_bytes(pr, g) / (kBlockThreads / g.tpr) / element_size(pr.dtype) > kTileMaxCols) {
         return "the ring's tiles take rows of at most 256 elements per stage";
       }
       const int64_t strides[3] = {pr.stride_a, pr.stride_p, pr.stride_n};
@@ -1066,139 +1163,200 @@ const char* forward_family_unfit(const TripletProblem& pr, ForwardFamily family)
       if (pr.rows > INT32_MAX || pr.dim > INT32_MAX) return "the ring's tiles take 32-bit coordinates";
     }
   }
+  // library-only {
   if (family == ForwardFamily::kOnePass) {
-    if (pr.dtype != DType::kFloat && pr.dtype != DType::kBFloat16) return "the onepass forward takes float32 and bfloat16";
-    if (norm_kind(pr.p_norm) == NormKind::kOther) return "the onepass forward takes p = 1 or 2";
-    if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the onepass forward needs 16-byte aligned rows";
-    const LaunchPlan rows = row_geometry(pr);
-    const int64_t packs = pr.dim * element_size(pr.dtype) / kVecBytes;
-    const int64_t per_thread = (packs + rows.threads_per_row - 1) / rows.threads_per_row;
-    if (rows.splits > 1 || per_thread > kOnePassPacks ||
+    if (pr.reduction == kNone) return "the onepass forward takes 'mean' and 'sum'";
+    if (pr.dtype == DType::kDouble) return "the onepass forward takes 2- and 4-byte elements";
+    if (kind == NormKind::kOther) return "the onepass forward takes p = 1 or 2";
+    if (!g.aligned || !g.whole_packs) return "the onepass forward needs 16-byte aligned rows";
+    if (pr.dim == 0) return "the onepass forward needs elements";
+    const int per_thread = one_pass_packs_per_thread(g);
+    if (g.splits > 1 || per_thread > kOnePassPacks ||
         one_pass_smem(per_thread) + kOnePassStaticSmem > pr.smem_per_block) {
       return "the onepass forward holds at most 16 packs of each input per thread, within the "
              "GPU's shared memory per block";
     }
+    if (total_packs(pr, g) >= kPointwiseMaxPacks) return "the onepass forward's check takes fewer than 2^31 packs";
   }
+  // library-only }
   return nullptr;
 }
 
-const char* backward_family_unfit(const TripletProblem& pr, BackwardFamily family) {
+// library-only {
+const char* backward_unfit(const TripletProblem& pr, const Geometry& g, BackwardFamily family,
+                           bool after_one_pass) {
+  if (family == BackwardFamily::kCheck) {
+    return after_one_pass ? nullptr : "the check backward follows a onepass forward";
+  }
   if (family != BackwardFamily::kPointwise) return nullptr;
   if (norm_kind(pr.p_norm) == NormKind::kOther) return "the pointwise backward takes p = 1 or 2";
   if (pr.dtype == DType::kDouble) return "the pointwise backward takes 2- and 4-byte elements";
-  if (!inputs_aligned(pr) || !rows_are_packs(pr)) return "the pointwise backward needs 16-byte aligned rows";
-  if (pr.rows * pr.dim * element_size(pr.dtype) / kVecBytes >= kPointwiseMaxPacks) {
-    return "the pointwise backward takes fewer than 2^31 packs";
-  }
+  if (!g.aligned || !g.whole_packs) return "the pointwise backward needs 16-byte aligned rows";
+  if (total_packs(pr, g) >= kPointwiseMaxPacks) return "the pointwise backward takes fewer than 2^31 packs";
   return nullptr;
 }
+// library-only }
 
-LaunchPlan plan_forward(const TripletProblem& pr, ForwardFamily forced, bool write_grads) {
-  LaunchPlan plan = row_geometry(pr);
-  plan.vectorized = inputs_aligned(pr);
-  ForwardFamily family = forced;
-  plan.reason = "forced";
+// The ring's tiles where they beat register loads (the table's thresholds).
+bool ring_pays(const TripletProblem& pr, const Geometry& g) {
+  if (g.tpr == kBlockThreads) return g.row_bytes >= kRingMinRowBytes;
+  const int64_t segment_bytes = ring_chunk_bytes(pr, g) / (kBlockThreads / g.tpr);
+  return pr.rows * g.row_bytes >= kRingTilesMinInputBytes && g.row_bytes % segment_bytes == 0;
+}
+
+LaunchPlan base_plan(const Geometry& g) {
+  LaunchPlan plan{};
+  plan.threads_per_row = g.tpr;
+  plan.splits = g.splits;
+  plan.split_elems = g.split_elems;
+  plan.units = g.units;
+  plan.block = kBlockThreads;
+  plan.grid = std::min(g.units, kMaxGrid);
+  return plan;
+}
+
+// library-only {
+// Blocks of the check kernel that one SM holds.
+int check_residency(const TripletProblem& pr) {
+  int blocks = 1;
+  with_variant(pr, [&](auto tag, auto kind, auto swap) {
+    using T = typename decltype(tag)::type;
+    constexpr NormKind K = decltype(kind)::value;
+    if constexpr (K != NormKind::kOther) {
+      blocks = resident_blocks<backward_check_kernel<T, K, decltype(swap)::value>>(kCheckThreads);
+    }
+  });
+  return blocks;
+}
+// library-only }
+
+}  // namespace
+
+LaunchPlan plan_forward(const TripletProblem& pr, ForwardFamily family, bool write_grads) {
+  const Geometry g = geometry_of(pr);
+  LaunchPlan plan = base_plan(g);
+  plan.vectorized = g.aligned;
+  plan.reason = "asked for";
+  // library-only {
+  if (family == ForwardFamily::kAuto && write_grads &&
+      !forward_unfit(pr, g, ForwardFamily::kOnePass)) {
+    family = ForwardFamily::kOnePass;
+    plan.reason = "training: each thread holds its packs of the row";
+  }
+  // library-only }
   if (family == ForwardFamily::kAuto) {
-    if (write_grads && !forward_family_unfit(pr, ForwardFamily::kOnePass)) {
-      family = ForwardFamily::kOnePass;
-      plan.reason = "training: each thread holds its packs of the row";
-    } else if (ring_pays(pr, plan) && !forward_family_unfit(pr, ForwardFamily::kRing)) {
+    if (ring_pays(pr, g) && !forward_unfit(pr, g, ForwardFamily::kRing)) {
       family = ForwardFamily::kRing;
-      plan.reason = plan.threads_per_row == kBlockThreads
-                        ? "aligned rows of >= 8 KiB on sm_90"
-                        : "float32 rows of whole stages, >= 256 MiB per input, on sm_90";
+      plan.reason = g.tpr == kBlockThreads ? "aligned rows of >= 8 KiB on sm_90"
+                                           : "float32 rows of whole stages, >= 256 MiB per input, on sm_90";
     } else {
       family = ForwardFamily::kRows;
       plan.reason = "register loads: every other input";
     }
   }
+  plan.unfit = forward_unfit(pr, g, family);
+  // library-only {
+  if (plan.unfit == nullptr && family == ForwardFamily::kOnePass && !write_grads) {
+    plan.unfit = "the onepass forward runs where gradients are wanted (under autograd)";
+  }
+  // library-only }
   plan.family = static_cast<int>(family);
-  if (family == ForwardFamily::kRing) plan.ring_chunk_bytes = ring_chunk_bytes(pr, plan);
+  const bool fixed_teams = norm_kind(pr.p_norm) != NormKind::kOther && pr.dtype != DType::kDouble;
+  switch (family) {
+    case ForwardFamily::kRows:
+      // Teams of 8 and 32 with their size compiled in (not general p: pow bounds it; not
+      // double: its speed matters less than the kernels' count).
+      plan.compiled_team = fixed_teams && g.tpr < kBlockThreads ? g.tpr : 0;
+      break;
+    case ForwardFamily::kRing:
+      plan.ring_tiles = g.tpr < kBlockThreads;
+      plan.ring_chunk_bytes = ring_chunk_bytes(pr, g);
+      plan.smem_bytes = kRingStages * 3 * plan.ring_chunk_bytes;
+      break;
+    // library-only {
+    case ForwardFamily::kOnePass:
+      plan.packs_per_thread = one_pass_packs_per_thread(g);
+      plan.smem_bytes = one_pass_smem(plan.packs_per_thread);
+      break;
+    // library-only }
+    default:
+      break;
+  }
+  plan.finish = g.splits > 1 || pr.reduction != kNone;
+  plan.chained = pr.cc_major >= 9;
+  const size_t sum_size = sizeof(double);
+  plan.workspace_bytes = g.splits > 1 ? 3 * static_cast<size_t>(pr.rows * g.splits) * sum_size
+                         : pr.reduction == kNone ? 0
+                                                 : static_cast<size_t>(plan.grid) * sum_size;
   return plan;
 }
 
-LaunchPlan plan_backward(const TripletProblem& pr, BackwardFamily forced) {
-  LaunchPlan plan = row_geometry(pr);
-  plan.vectorized = inputs_aligned(pr) && (pr.rows <= 1 || rows_are_packs(pr));
-  BackwardFamily family = forced;
-  plan.reason = "forced";
+// library-only {
+LaunchPlan plan_backward(const TripletProblem& pr, BackwardFamily family, bool after_one_pass) {
+  const Geometry g = geometry_of(pr);
+  LaunchPlan plan = base_plan(g);
+  plan.vectorized = g.aligned && (pr.rows <= 1 || g.whole_packs);
+  plan.reason = "asked for";
   if (family == BackwardFamily::kAuto) {
-    family = backward_family_unfit(pr, BackwardFamily::kPointwise) ? BackwardFamily::kRows
-                                                                     : BackwardFamily::kPointwise;
-    plan.reason = family == BackwardFamily::kPointwise ? "aligned rows, p = 1 or 2"
-                                                       : "register loads: every other input";
+    if (after_one_pass) {
+      family = BackwardFamily::kCheck;
+      plan.reason = "after the onepass forward: recompute the rows it mispredicted";
+    } else if (!backward_unfit(pr, g, BackwardFamily::kPointwise, false)) {
+      family = BackwardFamily::kPointwise;
+      plan.reason = "aligned rows, p = 1 or 2";
+    } else {
+      family = BackwardFamily::kRows;
+      plan.reason = "register loads: every other input";
+    }
   }
+  plan.unfit = backward_unfit(pr, g, family, after_one_pass);
   plan.family = static_cast<int>(family);
+  const int64_t packs = total_packs(pr, g);
   if (family == BackwardFamily::kPointwise) {
     constexpr int64_t kPerBlock = kPointwiseThreads * kPointwisePacks;
-    const int64_t packs = pr.rows * pr.dim * element_size(pr.dtype) / kVecBytes;
+    plan.block = kPointwiseThreads;
     plan.grid = (packs + kPerBlock - 1) / kPerBlock;
+  }
+  if (family == BackwardFamily::kCheck && plan.unfit == nullptr) {
+    // One wave of blocks over the pointwise kernel's groups.
+    constexpr int64_t kGroup = kCheckThreads * kPointwisePacks;
+    const int64_t wave = static_cast<int64_t>(pr.sm_count) * check_residency(pr);
+    plan.block = kCheckThreads;
+    plan.grid = std::max<int64_t>(1, std::min(wave, (packs + kGroup - 1) / kGroup));
   }
   return plan;
 }
+// library-only }
 
 std::string describe_plan(const LaunchPlan& plan, bool forward) {
-  const char* names[2][3] = {{"rows", "pointwise", ""}, {"rows", "ring", "onepass"}};
+  const char* names[2][3] = {{"rows", "pointwise", "check"}, {"rows", "ring", "onepass"}};
   std::string s = names[forward ? 1 : 0][plan.family];
   s += ": threads_per_row=" + std::to_string(plan.threads_per_row) +
-       " splits=" + std::to_string(plan.splits) + " grid=" + std::to_string(plan.grid) +
-       " vectorized=" + (plan.vectorized ? "1" : "0");
-  if (plan.ring_chunk_bytes) s += " chunk_bytes=" + std::to_string(plan.ring_chunk_bytes);
+       " splits=" + std::to_string(plan.splits) + " block=" + std::to_string(plan.block) +
+       " grid=" + std::to_string(plan.grid) + " vectorized=" + (plan.vectorized ? "1" : "0");
+  if (plan.compiled_team) s += " compiled_team=" + std::to_string(plan.compiled_team);
+  if (plan.ring_chunk_bytes) {
+    s += std::string(" ring_tiles=") + (plan.ring_tiles ? "1" : "0") +
+         " chunk_bytes=" + std::to_string(plan.ring_chunk_bytes);
+  }
+  if (plan.packs_per_thread) s += " packs_per_thread=" + std::to_string(plan.packs_per_thread);
   return s + " (" + plan.reason + ")";
 }
 
-size_t forward_workspace_bytes(const TripletProblem& pr, const LaunchPlan& plan,
-                               int64_t reduction) {
-  const size_t sum_size = pr.dtype == DType::kHalf || pr.dtype == DType::kBFloat16 ? 4 : 8;
-  if (plan.splits > 1) return 3 * static_cast<size_t>(pr.rows * plan.splits) * sum_size;
-  return reduction == kNone ? 0 : static_cast<size_t>(plan.grid) * sum_size;
-}
-
-// ==== Launches =====================================================================================
+// ==== Launches: each executes its plan =============================================================
 
 namespace {
-
-template <typename T> struct Tag { using type = T; };
-
-template <typename F>
-void with_type(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kHalf: f(Tag<__half>{}); break;
-    case DType::kBFloat16: f(Tag<__nv_bfloat16>{}); break;
-    case DType::kFloat: f(Tag<float>{}); break;
-    default: f(Tag<double>{}); break;
-  }
-}
-
-template <typename F>
-void with_swap(bool swap, F&& f) {
-  if (swap) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
-template <typename F>
-void with_kind(double p, F&& f) {
-  switch (norm_kind(p)) {
-    case NormKind::kTwo: f(std::integral_constant<NormKind, NormKind::kTwo>{}); break;
-    case NormKind::kOne: f(std::integral_constant<NormKind, NormKind::kOne>{}); break;
-    default: f(std::integral_constant<NormKind, NormKind::kOther>{}); break;
-  }
-}
 
 // Lets kKernel take `bytes` of dynamic shared memory on the current device, once per kernel and
 // device (a call each launch cost the small cases a microsecond).
 template <auto kKernel>
 cudaError_t allow_shared_memory(int bytes) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> allowed[kDevices] = {};
+  static std::atomic<int> allowed[kMaxDevices] = {};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess || (device < kDevices && allowed[device].load() >= bytes)) return err;
+  if (err != cudaSuccess || (device < kMaxDevices && allowed[device].load() >= bytes)) return err;
   err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && device < kDevices) allowed[device].store(bytes);
+  if (err == cudaSuccess && device < kMaxDevices) allowed[device].store(bytes);
   return err;
 }
 
@@ -1262,87 +1420,97 @@ void fill_rows(Args& args, const TripletProblem& pr, const LaunchPlan& plan) {
   args.norm = norm_params(pr.p_norm);
 }
 
+// library-only {
+template <typename A>
+A grad_scale(const TripletProblem& pr) {
+  return pr.reduction == kMean ? A(1) / static_cast<A>(pr.rows) : A(1);
+}
+// library-only }
+
+// kKernel<<<plan.grid, plan.block, plan.smem_bytes, stream>>>(args...), with the shared memory
+// it takes allowed first.
+template <auto kKernel, typename... Args>
+cudaError_t launch(const LaunchPlan& plan, cudaStream_t stream, const Args&... args) {
+  if (plan.smem_bytes > 0) {
+    const cudaError_t err = allow_shared_memory<kKernel>(plan.smem_bytes);
+    if (err != cudaSuccess) return err;
+  }
+  kKernel<<<plan.grid, plan.block, plan.smem_bytes, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
-cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int64_t reduction,
-                           void* loss, void* dists, void* workspace, const GradOutputs& grads,
+cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, void* loss,
+                           void* dists, void* workspace, const OnePassOutputs& one_pass,
                            cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  with_type(pr.dtype, [&](auto tag) {
+  cudaError_t err = cudaErrorInvalidValue;  // a plan no kernel below takes
+  with_variant(pr, [&](auto tag, auto kind, auto swap) {
     using T = typename decltype(tag)::type;
     using S = sum_t<T>;
+    using A = acc_t<T>;
+    constexpr NormKind K = decltype(kind)::value;
+    constexpr bool kSwap = decltype(swap)::value;
+    constexpr bool kFast = K != NormKind::kOther;  // never float64
     ForwardArgs<T> args{};
     fill_rows(args, pr, plan);
     args.chunk_bytes = plan.ring_chunk_bytes;
+    args.float32_loss = pr.float32_loss;
     args.margin = static_cast<S>(pr.margin);
-    args.loss_rows = reduction == kNone ? static_cast<T*>(loss) : nullptr;
-    args.dists = static_cast<acc_t<T>*>(dists);
-    args.block_sums = plan.splits == 1 && reduction != kNone ? static_cast<S*>(workspace) : nullptr;
+    args.loss_rows = pr.reduction == kNone ? loss : nullptr;
+    args.dists = static_cast<A*>(dists);
+    args.block_sums = plan.splits == 1 && pr.reduction != kNone ? static_cast<S*>(workspace) : nullptr;
     args.partials = plan.splits > 1 ? static_cast<S*>(workspace) : nullptr;
-    with_kind(pr.p_norm, [&](auto kind) {
-      with_swap(pr.swap, [&](auto swap) {
-        constexpr NormKind K = decltype(kind)::value;
-        constexpr bool kSwap = decltype(swap)::value;
-        if constexpr (K != NormKind::kOther && kUpstreamLast<T>) {
-          if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
-            OnePassArgs<T> out{};
-            out.grad_a = static_cast<T*>(grads.grad_a);
-            out.grad_p = static_cast<T*>(grads.grad_p);
-            out.grad_n = static_cast<T*>(grads.grad_n);
-            out.margin = static_cast<acc_t<T>>(pr.margin);
-            out.grad_scale = reduction == kMean ? acc_t<T>(1) / static_cast<acc_t<T>>(pr.rows)
-                                                : acc_t<T>(1);
-            out.hinge_at_zero = grads.hinge_at_zero;
-            out.packs_per_thread = static_cast<int>(
-                (pr.dim / Pack<T>::kN + plan.threads_per_row - 1) / plan.threads_per_row);
-            const int smem = one_pass_smem(out.packs_per_thread);
-            err = allow_shared_memory<forward_one_pass_kernel<T, K, kSwap>>(smem);
+    switch (static_cast<ForwardFamily>(plan.family)) {
+      // library-only {
+      case ForwardFamily::kOnePass:
+        if constexpr (kFast) {
+          OnePassArgs<T> out{};
+          out.grad_a = static_cast<T*>(one_pass.grad_a);
+          out.grad_p = static_cast<T*>(one_pass.grad_p);
+          out.grad_n = static_cast<T*>(one_pass.grad_n);
+          out.margin = static_cast<A>(pr.margin);
+          out.grad_scale = grad_scale<A>(pr);
+          out.hinge_at_zero = one_pass.hinge_at_zero;
+          out.packs_per_thread = plan.packs_per_thread;
+          out.history = one_pass.history;
+          out.predicted = one_pass.predicted;
+          err = launch<forward_one_pass_kernel<T, K, kSwap>>(plan, stream, args, out);
+        }
+        break;
+      // library-only }
+      case ForwardFamily::kRing:
+        if constexpr (kFast) {
+          RingTiles tiles{};
+          if (!plan.ring_tiles) {
+            err = launch<forward_ring_kernel<T, K, kSwap, false>>(plan, stream, args, tiles);
+          } else if constexpr (std::is_same<T, float>::value) {
+            err = encode_ring_tiles(tiles, pr, plan);
             if (err == cudaSuccess) {
-              forward_one_pass_kernel<T, K, kSwap><<<plan.grid, kBlockThreads, smem, stream>>>(args, out);
+              err = launch<forward_ring_kernel<T, K, kSwap, true>>(plan, stream, args, tiles);
             }
-            return;
           }
         }
-        if constexpr (K != NormKind::kOther && !std::is_same<T, double>::value) {
-          if (plan.family == static_cast<int>(ForwardFamily::kRing)) {
-            const int smem = kRingStages * 3 * plan.ring_chunk_bytes;  // above the 48 KiB default
-            RingTiles tiles{};
-            if constexpr (std::is_same<T, float>::value) {
-              if (plan.threads_per_row < kBlockThreads) {
-                err = encode_ring_tiles(tiles, pr, plan);
-                if (err == cudaSuccess) err = allow_shared_memory<forward_ring_kernel<T, K, kSwap, true>>(smem);
-                if (err == cudaSuccess) {
-                  forward_ring_kernel<T, K, kSwap, true><<<plan.grid, kBlockThreads, smem, stream>>>(args, tiles);
-                }
-                return;
-              }
-            }
-            err = allow_shared_memory<forward_ring_kernel<T, K, kSwap, false>>(smem);
-            if (err == cudaSuccess) {
-              forward_ring_kernel<T, K, kSwap, false><<<plan.grid, kBlockThreads, smem, stream>>>(args, tiles);
-            }
-            return;
+        break;
+      case ForwardFamily::kRows:
+        if constexpr (kFast) {
+          if (plan.compiled_team == kSmallTeam) {
+            err = launch<forward_rows_kernel<T, K, kSwap, kSmallTeam>>(plan, stream, args);
+            break;
+          }
+          if (plan.compiled_team == kWarpTeam) {
+            err = launch<forward_rows_kernel<T, K, kSwap, kWarpTeam>>(plan, stream, args);
+            break;
           }
         }
-        // Teams of 8 and 32 with their size compiled in (not general p: pow bounds it; not
-        // double: its speed matters less than the kernels' count).
-        constexpr bool kFixedTeams = K != NormKind::kOther && !std::is_same<T, double>::value;
-        if constexpr (kFixedTeams) {
-          if (plan.threads_per_row == 8) {
-            forward_rows_kernel<T, K, kSwap, 8><<<plan.grid, kBlockThreads, 0, stream>>>(args);
-            return;
-          }
-          if (plan.threads_per_row == 32) {
-            forward_rows_kernel<T, K, kSwap, 32><<<plan.grid, kBlockThreads, 0, stream>>>(args);
-            return;
-          }
+        if (plan.compiled_team == 0) {
+          err = launch<forward_rows_kernel<T, K, kSwap, 0>>(plan, stream, args);
         }
-        forward_rows_kernel<T, K, kSwap, 0><<<plan.grid, kBlockThreads, 0, stream>>>(args);
-      });
-    });
-    if (err == cudaSuccess) err = cudaGetLastError();
-    if (err != cudaSuccess || (plan.splits == 1 && reduction == kNone)) return;
-    // The finishing kernel, chained to the main grid on sm_90+.
+        break;
+      default:
+        break;
+    }
+    if (err != cudaSuccess || !plan.finish) return;
     cudaLaunchAttribute chain[1];
     chain[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     chain[0].val.programmaticStreamSerializationAllowed = 1;
@@ -1351,84 +1519,59 @@ cudaError_t launch_forward(const TripletProblem& pr, const LaunchPlan& plan, int
     config.blockDim = dim3(kFinishThreads);
     config.stream = stream;
     config.attrs = chain;
-    config.numAttrs = pr.cc_major >= 9 ? 1 : 0;
-    const double divisor = reduction == kMean ? static_cast<double>(pr.rows) : 1.0;
-    T* out = reduction == kNone ? nullptr : static_cast<T*>(loss);
+    config.numAttrs = plan.chained ? 1 : 0;
+    const double divisor = pr.reduction == kMean ? static_cast<double>(pr.rows) : 1.0;
+    void* out = pr.reduction == kNone ? nullptr : loss;
     err = cudaLaunchKernelEx(&config, forward_finish_kernel<T>, args, plan.grid, divisor, out);
   });
   return err;
 }
 
-namespace {
-
-template <typename T>
-BackwardArgs<T> backward_args(const TripletProblem& pr, const LaunchPlan& plan, int64_t reduction,
-                              const BackwardInputs& in) {
-  using A = acc_t<T>;
-  BackwardArgs<T> args{};
-  fill_rows(args, pr, plan);
-  args.margin = static_cast<A>(pr.margin);
-  args.hinge_at_zero = in.hinge_at_zero;
-  args.dists = static_cast<const A*>(in.dists);
-  args.grad = static_cast<const T*>(in.grad);
-  args.grad_stride = reduction == kNone ? 1 : 0;
-  args.grad_scale = reduction == kMean ? A(1) / static_cast<A>(pr.rows) : A(1);
-  args.grad_a = static_cast<T*>(in.grad_a);
-  args.grad_p = static_cast<T*>(in.grad_p);
-  args.grad_n = static_cast<T*>(in.grad_n);
-  args.upstream_flag = reduction == kNone ? nullptr : in.upstream_flag;
-  return args;
-}
-
-}  // namespace
-
-cudaError_t launch_backward(const TripletProblem& pr, const LaunchPlan& plan, int64_t reduction,
+// library-only {
+cudaError_t launch_backward(const TripletProblem& pr, const LaunchPlan& plan,
                             const BackwardInputs& in, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  with_type(pr.dtype, [&](auto tag) {
+  cudaError_t err = cudaErrorInvalidValue;  // a plan no kernel below takes
+  with_variant(pr, [&](auto tag, auto kind, auto swap) {
     using T = typename decltype(tag)::type;
-    const BackwardArgs<T> args = backward_args<T>(pr, plan, reduction, in);
-    with_kind(pr.p_norm, [&](auto kind) {
-      constexpr NormKind K = decltype(kind)::value;
-      if constexpr (K != NormKind::kOther && !std::is_same<T, double>::value) {
-        if (plan.family == static_cast<int>(BackwardFamily::kPointwise)) {
-          constexpr int64_t kVec = kVecBytes / sizeof(T);
-          const auto packs = static_cast<uint32_t>(pr.rows * pr.dim / kVec);
-          const auto row_packs = static_cast<uint32_t>(pr.dim / kVec);
-          with_swap(pr.swap, [&](auto swap) {
-            backward_pointwise_kernel<T, K, decltype(swap)::value>
-                <<<plan.grid, kPointwiseThreads, 0, stream>>>(args, packs, row_packs);
-          });
-          return;
+    using A = acc_t<T>;
+    constexpr NormKind K = decltype(kind)::value;
+    constexpr bool kSwap = decltype(swap)::value;
+    BackwardArgs<T> args{};
+    fill_rows(args, pr, plan);
+    args.margin = static_cast<A>(pr.margin);
+    args.hinge_at_zero = in.hinge_at_zero;
+    args.float32_upstream = pr.float32_loss;
+    args.dists = static_cast<const A*>(in.dists);
+    args.grad = in.grad;
+    args.grad_stride = pr.reduction == kNone ? 1 : 0;
+    args.grad_scale = grad_scale<A>(pr);
+    args.grad_a = static_cast<T*>(in.grad_a);
+    args.grad_p = static_cast<T*>(in.grad_p);
+    args.grad_n = static_cast<T*>(in.grad_n);
+    const auto packs = static_cast<uint32_t>(pr.rows * pr.dim / Pack<T>::kN);
+    const auto row_packs = static_cast<uint32_t>(pr.dim / Pack<T>::kN);
+    switch (static_cast<BackwardFamily>(plan.family)) {
+      case BackwardFamily::kPointwise:
+        if constexpr (K != NormKind::kOther) {
+          err = launch<backward_pointwise_kernel<T, K, kSwap>>(plan, stream, args, packs,
+                                                               row_packs);
         }
-      }
-      backward_rows_kernel<T, K><<<plan.grid, kBlockThreads, 0, stream>>>(args);
-    });
-    err = cudaGetLastError();
-  });
-  return err;
-}
-
-cudaError_t launch_upstream(const TripletProblem& pr, int64_t reduction, const BackwardInputs& in,
-                            cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  with_type(pr.dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if constexpr (kUpstreamLast<T>) {
-      BackwardArgs<T> args = backward_args<T>(pr, row_geometry(pr), reduction, in);
-      args.in_place = true;
-      const int64_t packs = pr.rows * pr.dim / (kVecBytes / static_cast<int64_t>(sizeof(T)));
-      const int64_t grid = std::max<int64_t>(
-          1, std::min<int64_t>(kUpstreamBlocks, (packs + kBlockThreads - 1) / kBlockThreads));
-      with_kind(pr.p_norm, [&](auto kind) {
-        backward_rows_kernel<T, decltype(kind)::value><<<grid, kBlockThreads, 0, stream>>>(args);
-      });
-      err = cudaGetLastError();
-    } else {
-      err = cudaErrorInvalidValue;  // forward_family_unfit keeps other types off the one pass
+        break;
+      case BackwardFamily::kCheck:
+        if constexpr (K != NormKind::kOther) {
+          err = launch<backward_check_kernel<T, K, kSwap>>(plan, stream, args, in.predicted,
+                                                           in.history, packs, row_packs);
+        }
+        break;
+      case BackwardFamily::kRows:
+        err = launch<backward_rows_kernel<T>>(plan, stream, args);
+        break;
+      default:
+        break;
     }
   });
   return err;
 }
+// library-only }
 
 }  // namespace fused_triplet

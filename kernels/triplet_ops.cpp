@@ -1,30 +1,41 @@
-// The torch side of fused_triplet: input checks, outputs, the op schemas with their CUDA kernels
-// and autograd. Compiled by the host compiler; the kernels sit behind triplet_launch.h.
+// The torch side of fused_triplet: input checks, outputs, the op schemas with their CUDA kernels,
+// autograd and autocast. Compiled by the host compiler; the kernels sit behind triplet_launch.h.
 //
 // Autograd is in C++ (registered for the Autograd key) rather than Python: on small inputs a
 // Python autograd layer took more host time per training step than the kernels took on the GPU.
-// Fake kernels (shapes only, for torch.compile) are registered from fused_triplet.py.
+// Fake kernels (shapes only, for torch.compile) are registered from fused_triplet.py. Lines
+// marked library-only are left out of the KernelBench file (its forward op alone, float32,
+// p = 2 without swap; fused_triplet.export).
 #include "triplet_launch.h"
 
 #include <ATen/core/Tensor.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/triplet_margin_loss.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/accumulate.h>
-#include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
+// library-only {
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/triplet_margin_loss.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <unordered_map>
+// library-only }
 
 namespace fused_triplet {
 namespace {
@@ -32,84 +43,31 @@ namespace {
 // Whether the installed torch's clamp_min passes the gradient at exactly its bound: probed in
 // Python when the library loads, set through fused_triplet::set_hinge_at_zero.
 std::atomic<bool> hinge_at_zero{false};
-// Test-only: the kernel families to launch instead of the plan's (-1: the plan's).
-std::atomic<int> forced_forward{-1};
-std::atomic<int> forced_backward{-1};
 
-// Where each 'mean' / 'sum' backward notes whether its upstream gradient was exactly 1, for the
-// next forward of the same problem to choose one pass (1) or two (0): host memory the GPU writes,
-// read without a sync, so late by as many steps as the host runs ahead of the GPU. A slot per
-// hash of device, shape, dtype and options; allocated on first use outside a CUDA graph capture.
-constexpr int kUpstreamSlots = 256;
-std::atomic<int*> upstream_notes{nullptr};         // host view
-std::atomic<int*> upstream_notes_device{nullptr};  // the same memory as the GPU addresses it
-std::atomic<bool> upstream_notes_failed{false};
-std::mutex upstream_notes_mutex;
-
-bool allocate_upstream_notes(cudaStream_t stream) {
-  if (upstream_notes.load() != nullptr) return true;
-  if (upstream_notes_failed.load()) return false;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    (void)cudaGetLastError();
-    return false;  // allocating would break the capture: two passes until a call outside one
-  }
-  const std::lock_guard<std::mutex> lock(upstream_notes_mutex);
-  if (upstream_notes.load() != nullptr) return true;
-  void* host = nullptr;
-  void* device = nullptr;
-  if (cudaHostAlloc(&host, kUpstreamSlots * sizeof(int),
-                    cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess ||
-      cudaHostGetDevicePointer(&device, host, 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    upstream_notes_failed.store(true);  // no mapped host memory: always two passes
-    return false;
-  }
-  int* notes = static_cast<int*>(host);
-  for (int i = 0; i < kUpstreamSlots; ++i) notes[i] = 1;  // until a backward says otherwise
-  upstream_notes_device.store(static_cast<int*>(device));
-  upstream_notes.store(notes);
-  return true;
-}
-
-int upstream_slot(const TripletProblem& pr, int64_t reduction, int device) {
-  uint64_t key[9] = {static_cast<uint64_t>(device), static_cast<uint64_t>(pr.rows),
-                     static_cast<uint64_t>(pr.dim), static_cast<uint64_t>(pr.dtype),
-                     static_cast<uint64_t>(reduction), static_cast<uint64_t>(pr.swap)};
-  std::memcpy(&key[6], &pr.margin, 8);
-  std::memcpy(&key[7], &pr.p_norm, 8);
-  std::memcpy(&key[8], &pr.eps, 8);
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
-  for (uint64_t k : key) h = (h ^ k) * 1099511628211ull;
-  return static_cast<int>(h % kUpstreamSlots);
-}
-
-// The device's address of the problem's note, or nullptr ('none', or no notes).
-int* upstream_note_for_gpu(const TripletProblem& pr, int64_t reduction, int device,
-                           cudaStream_t stream) {
-  if (reduction == kNone || !allocate_upstream_notes(stream)) return nullptr;
-  return upstream_notes_device.load() + upstream_slot(pr, reduction, device);
-}
-
-// What the last backward of this problem noted (true also before any).
-bool last_upstream_was_one(const TripletProblem& pr, int64_t reduction, int device,
-                           cudaStream_t stream) {
-  if (!allocate_upstream_notes(stream)) return false;
-  const volatile int* note = upstream_notes.load() + upstream_slot(pr, reduction, device);
-  return *note != 0;
-}
+// ---- inputs ----------------------------------------------------------------------------------
 
 // The kernels' element type for a tensor dtype; none for every other dtype (float8 types count as
 // floating in c10, and the kernels would read them as wider elements).
 std::optional<DType> kernel_dtype(at::ScalarType type) {
   switch (type) {
-    case at::kHalf: return DType::kHalf;
-    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kHalf;          // library-only
+    case at::kBFloat16: return DType::kBFloat16;  // library-only
     case at::kFloat: return DType::kFloat;
-    case at::kDouble: return DType::kDouble;
+    case at::kDouble: return DType::kDouble;      // library-only
     default: return std::nullopt;
   }
+}
+
+bool two_byte(at::ScalarType type) { return type == at::kHalf || type == at::kBFloat16; }
+
+// The loss's dtype: the inputs', or float32 for 2-byte inputs with float32_loss (autocast's
+// float32 policy; float64 stays float64 there too).
+at::ScalarType loss_dtype(at::ScalarType input, bool float32_loss) {
+  return float32_loss && two_byte(input) ? at::kFloat : input;
+}
+
+at::ScalarType acc_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
@@ -123,7 +81,8 @@ void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
               "fused_triplet: anchor, positive and negative must have one dtype, got ",
               a.scalar_type(), ", ", p.scalar_type(), ", ", n.scalar_type());
   TORCH_CHECK(kernel_dtype(a.scalar_type()).has_value(),
-              "fused_triplet: expected float16, bfloat16, float32 or float64 inputs, got ",
+              "fused_triplet: expected float16, bfloat16, float32 or float64 inputs, got ",  // library-only
+              // kernelbench-only: "fused_triplet (KernelBench file): expected float32 inputs, got ",
               a.scalar_type());
   TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
   TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
@@ -146,21 +105,33 @@ at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t dim) {
   return r;
 }
 
+// What the plans need of a device, read once per device.
+struct DeviceFacts {
+  int cc_major, sm_count, smem_per_block;
+};
 
-at::ScalarType acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-int device_attribute(const at::Tensor& on, cudaDeviceAttr attribute) {
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, on.get_device()));
-  return value;
+DeviceFacts device_facts(int device) {
+  constexpr int kDevices = 64;
+  static std::once_flag once[kDevices];
+  static DeviceFacts facts[kDevices];
+  auto read = [](int d) {
+    DeviceFacts f{};
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, d));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, d));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.smem_per_block,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, d));
+    return f;
+  };
+  if (device >= kDevices) return read(device);
+  std::call_once(once[device], [&] { facts[device] = read(device); });
+  return facts[device];
 }
 
 // The problem as the kernels see it; a, p, n are the (rows, dim) views, which must outlive it.
 TripletProblem make_problem(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
-                            double margin, double pnorm, double eps, bool swap) {
-  TripletProblem pr;
+                            double margin, double pnorm, double eps, bool swap, int64_t reduction,
+                            bool float32_loss) {
+  TripletProblem pr{};
   pr.a = a.data_ptr();
   pr.p = p.data_ptr();
   pr.n = n.data_ptr();
@@ -170,51 +141,156 @@ TripletProblem make_problem(const at::Tensor& a, const at::Tensor& p, const at::
   pr.rows = a.size(0);
   pr.dim = a.size(1);
   pr.dtype = *kernel_dtype(a.scalar_type());  // check_inputs took it
+  pr.float32_loss = float32_loss && two_byte(a.scalar_type());
   pr.margin = margin;
   pr.p_norm = pnorm;
   pr.eps = eps;
   pr.swap = swap;
-  pr.cc_major = device_attribute(a, cudaDevAttrComputeCapabilityMajor);
-  pr.smem_per_block = device_attribute(a, cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  pr.reduction = reduction;
+  const DeviceFacts facts = device_facts(a.get_device());
+  pr.cc_major = facts.cc_major;
+  pr.sm_count = facts.sm_count;
+  pr.smem_per_block = facts.smem_per_block;
   return pr;
 }
 
-// write_grads: the call may take the one-pass family (forcing it applies to such calls only).
-LaunchPlan forward_plan(const TripletProblem& pr, bool write_grads) {
-  auto family = static_cast<ForwardFamily>(forced_forward.load());
-  if (family == ForwardFamily::kOnePass && !write_grads) family = ForwardFamily::kAuto;
-  const char* unfit = forward_family_unfit(pr, family);
-  TORCH_CHECK(unfit == nullptr, "fused_triplet: the forced forward family cannot run: ", unfit);
-  return plan_forward(pr, family, write_grads);
+LaunchPlan forward_plan(const TripletProblem& pr, int64_t family, bool write_grads) {
+  const LaunchPlan plan = plan_forward(pr, static_cast<ForwardFamily>(family), write_grads);
+  TORCH_CHECK(plan.unfit == nullptr, "fused_triplet: the asked-for forward family cannot run: ",
+              plan.unfit);
+  return plan;
 }
 
-LaunchPlan backward_plan(const TripletProblem& pr) {
-  const auto family = static_cast<BackwardFamily>(forced_backward.load());
-  const char* unfit = backward_family_unfit(pr, family);
-  TORCH_CHECK(unfit == nullptr, "fused_triplet: the forced backward family cannot run: ", unfit);
-  return plan_backward(pr, family);
+// library-only {
+LaunchPlan backward_plan(const TripletProblem& pr, int64_t family, bool after_one_pass) {
+  const LaunchPlan plan = plan_backward(pr, static_cast<BackwardFamily>(family), after_one_pass);
+  TORCH_CHECK(plan.unfit == nullptr, "fused_triplet: the asked-for backward family cannot run: ",
+              plan.unfit);
+  return plan;
 }
+
+// ---- what the one pass predicts from -----------------------------------------------------------
+// For each problem (an exact key: device, shape, dtype and options) and place in a training step
+// (the first forward of the problem after one of its backwards takes place 0, the next place 1,
+// ...: `l1 + 0.5 * l2` of one shape gets two), device memory with the upstream gradient the last
+// one-pass backward saw there (UpstreamHistory). The forward reads it on the GPU, the backward
+// checks the prediction on the GPU: no host sync, and a wrong prediction costs only time.
+
+constexpr int kPlacesPerStep = 8;      // losses of one problem per step that get a prediction
+constexpr size_t kMaxProblems = 4096;  // problems that get one (each holds 64 bytes on the GPU)
+
+struct ProblemKey {
+  int device;
+  int64_t rows, dim;
+  int dtype;
+  bool float32_loss, swap;
+  int64_t reduction;
+  uint64_t margin, p_norm, eps;  // bits
+  bool operator==(const ProblemKey& o) const {
+    return device == o.device && rows == o.rows && dim == o.dim && dtype == o.dtype &&
+           float32_loss == o.float32_loss && swap == o.swap && reduction == o.reduction &&
+           margin == o.margin && p_norm == o.p_norm && eps == o.eps;
+  }
+};
+
+struct ProblemKeyHash {
+  size_t operator()(const ProblemKey& k) const {
+    const uint64_t words[] = {static_cast<uint64_t>(k.device), static_cast<uint64_t>(k.rows),
+                              static_cast<uint64_t>(k.dim), static_cast<uint64_t>(k.dtype),
+                              static_cast<uint64_t>(k.float32_loss * 2 + k.swap),
+                              static_cast<uint64_t>(k.reduction), k.margin, k.p_norm, k.eps};
+    size_t h = 0;
+    for (uint64_t w : words) h = h * 1000003u ^ std::hash<uint64_t>{}(w);
+    return h;
+  }
+};
+
+ProblemKey key_of(const TripletProblem& pr, int device) {
+  ProblemKey k{device, pr.rows, pr.dim, static_cast<int>(pr.dtype), pr.float32_loss, pr.swap,
+               pr.reduction, 0, 0, 0};
+  std::memcpy(&k.margin, &pr.margin, 8);
+  std::memcpy(&k.p_norm, &pr.p_norm, 8);
+  std::memcpy(&k.eps, &pr.eps, 8);
+  return k;
+}
+
+struct StepPlaces {
+  at::Tensor histories;  // kPlacesPerStep UpstreamHistory on the problem's device
+  int next = 0;          // the place of the problem's next forward
+};
+
+std::mutex places_mutex;
+// Never freed: its tensors must outlive nothing at exit (CUDA may be torn down first).
+auto* const step_places = new std::unordered_map<ProblemKey, StepPlaces, ProblemKeyHash>();
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err != cudaSuccess || status != cudaStreamCaptureStatusNone;
+}
+
+// The places of a problem, made on first use (not during a CUDA graph capture, where copying
+// the initial history would break it; nullptr then, or past kMaxProblems problems).
+StepPlaces* places_of(const ProblemKey& key, const at::Tensor& on, cudaStream_t stream) {
+  const std::lock_guard<std::mutex> lock(places_mutex);
+  const auto it = step_places->find(key);
+  if (it != step_places->end()) return &it->second;
+  if (step_places->size() >= kMaxProblems || capturing(stream)) return nullptr;
+  // Until a backward says otherwise, each place predicts an upstream gradient of 1.
+  std::array<UpstreamHistory, kPlacesPerStep> initial;
+  initial.fill(UpstreamHistory{1.0f, 1u});
+  const at::Tensor host = at::from_blob(initial.data(), {kPlacesPerStep * 2},
+                                        at::TensorOptions().dtype(at::kInt));
+  StepPlaces places;
+  places.histories = host.to(on.device());
+  return &step_places->emplace(key, std::move(places)).first->second;
+}
+
+// The history of the next place of a problem's step (forwards past the last place share it:
+// gradcheck's, or a loss never differentiated, predict no worse than two passes).
+UpstreamHistory* take_place(StepPlaces* places) {
+  const std::lock_guard<std::mutex> lock(places_mutex);
+  const int place = std::min(places->next, kPlacesPerStep - 1);
+  places->next = place + 1;
+  return static_cast<UpstreamHistory*>(places->histories.data_ptr()) + place;
+}
+
+// A backward of the problem: its next forward begins a step.
+void end_step(StepPlaces* places) {
+  const std::lock_guard<std::mutex> lock(places_mutex);
+  places->next = 0;
+}
+// library-only }
+
+// ---- forward -----------------------------------------------------------------------------------
 
 struct ForwardResult {
   at::Tensor loss, dists;
-  std::array<at::Tensor, 3> grads;  // the one pass's gradients (upstream 1), else undefined
+  StepPlaces* places = nullptr;       // a training forward's problem, whose backward ends a step  // library-only
+  bool one_pass = false;              // the one-pass kernel ran:
+  std::array<at::Tensor, 3> grads;    // its gradients (undefined where not wanted),
+  at::Tensor predicted;               // per row the upstream gradient they assume,
+  UpstreamHistory* history = nullptr;  // and the history the backward updates
 };
 
-// The forward. one_pass: under autograd ('mean' / 'sum'), the inputs that require grad; where
-// any does and the last backward of this problem saw an upstream gradient of 1 (or the family is
-// forced), the plan may take the one-pass family, which also writes their gradients.
+// The forward. wants: under autograd, the inputs that require grad (a training forward); where
+// any does ('mean' / 'sum') and the problem's step has a place left, the plan may take the
+// one-pass family, which also writes their gradients.
 ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
                           const at::Tensor& negative, double margin, double p, double eps,
-                          bool swap, int64_t reduction, std::array<bool, 3> one_pass) {
+                          bool swap, int64_t reduction, bool float32_loss, int64_t family,
+                          std::array<bool, 3> wants) {
   check_inputs(anchor, positive, negative, p, reduction);
   const c10::cuda::CUDAGuard guard(anchor.device());
   const auto batch = anchor.sizes().slice(0, anchor.dim() - 1);
   const int64_t dim = anchor.size(-1);
   const int64_t rows = rows_of(anchor);
   const auto opts = anchor.options();
+  const auto loss_opts = opts.dtype(loss_dtype(anchor.scalar_type(), float32_loss));
   ForwardResult out;
   out.dists = at::empty({swap ? 3 : 2, rows}, opts.dtype(acc_dtype(anchor)));
-  out.loss = reduction == kNone ? at::empty(batch, opts) : at::empty({}, opts);
+  out.loss = reduction == kNone ? at::empty(batch, loss_opts) : at::empty({}, loss_opts);
   if (rows == 0) {  // torch: the mean of nothing is nan, the sum of nothing 0
     if (reduction == kMean) out.loss.fill_(std::numeric_limits<double>::quiet_NaN());
     if (reduction == kSum) out.loss.zero_();
@@ -223,26 +299,38 @@ ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
   const at::Tensor a = as_rows(anchor, rows, dim);
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
-  const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
+  const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap, reduction,
+                                         float32_loss);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  bool write_grads = reduction != kNone && (one_pass[0] || one_pass[1] || one_pass[2]);
-  if (write_grads && forced_forward.load() != static_cast<int>(ForwardFamily::kOnePass)) {
-    write_grads = last_upstream_was_one(pr, reduction, anchor.get_device(), stream);
+  // kernelbench-only: TORCH_CHECK(p == 2.0 && !swap, "fused_triplet (KernelBench file): the kernels take p = 2 without swap");
+  // kernelbench-only: (void)wants;
+  bool write_grads = false;
+  // library-only {
+  if (wants[0] || wants[1] || wants[2]) {
+    out.places = places_of(key_of(pr, anchor.get_device()), anchor, stream);
   }
-  const LaunchPlan plan = forward_plan(pr, write_grads);
-  GradOutputs grads{nullptr, nullptr, nullptr, hinge_at_zero.load()};
+  if (reduction != kNone && out.places != nullptr) out.history = take_place(out.places);
+  write_grads = out.history != nullptr;
+  // library-only }
+  const LaunchPlan plan = forward_plan(pr, family, write_grads);
+  OnePassOutputs one_pass{nullptr, nullptr, nullptr, hinge_at_zero.load(), out.history, nullptr};
+  // library-only {
   if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
-    void** ptrs[3] = {&grads.grad_a, &grads.grad_p, &grads.grad_n};
+    out.one_pass = true;
+    void** ptrs[3] = {&one_pass.grad_a, &one_pass.grad_p, &one_pass.grad_n};
     for (int k = 0; k < 3; ++k) {
-      if (!one_pass[k]) continue;
+      if (!wants[k]) continue;
       out.grads[k] = at::empty(anchor.sizes(), opts);
       *ptrs[k] = out.grads[k].data_ptr();
     }
+    out.predicted = at::empty({rows}, opts.dtype(at::kFloat));
+    one_pass.predicted = out.predicted.data_ptr<float>();
   }
-  const auto bytes = static_cast<int64_t>(forward_workspace_bytes(pr, plan, reduction));
-  at::Tensor workspace = at::empty({bytes}, opts.dtype(at::kByte));
-  C10_CUDA_CHECK(launch_forward(pr, plan, reduction, out.loss.data_ptr(), out.dists.data_ptr(),
-                                workspace.data_ptr(), grads, stream));
+  // library-only }
+  at::Tensor workspace =
+      at::empty({static_cast<int64_t>(plan.workspace_bytes)}, opts.dtype(at::kByte));
+  C10_CUDA_CHECK(launch_forward(pr, plan, out.loss.data_ptr(), out.dists.data_ptr(),
+                                workspace.data_ptr(), one_pass, stream));
   return out;
 }
 
@@ -250,18 +338,25 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& anchor,
                                                 const at::Tensor& positive,
                                                 const at::Tensor& negative, double margin,
                                                 double p, double eps, bool swap,
-                                                int64_t reduction) {
+                                                int64_t reduction, bool float32_loss,
+                                                int64_t forward_family, int64_t backward_family) {
+  (void)backward_family;  // its backward's (the autograd kernel keeps it)
   ForwardResult out = run_forward(anchor, positive, negative, margin, p, eps, swap, reduction,
-                                  {false, false, false});
+                                  float32_loss, forward_family, {false, false, false});
   return {out.loss, out.dists};
 }
 
-// A backward over the inputs' (rows, dim) views: into `grads` (undefined where not needed), or,
-// in_place, the upstream gradient applied to a one-pass forward's gradients there.
+// library-only {
+// ---- backward ----------------------------------------------------------------------------------
+
+// A backward over the inputs' (rows, dim) views into `grads` (undefined where not needed). After
+// a one-pass forward (predicted defined), they hold its gradients, which the check keeps where
+// its prediction was right.
 void run_backward(const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
                   const at::Tensor& negative, const at::Tensor& dists, double margin, double p,
-                  double eps, bool swap, int64_t reduction, bool hinge,
-                  const std::array<at::Tensor, 3>& grads, bool in_place) {
+                  double eps, bool swap, int64_t reduction, bool hinge, int64_t family,
+                  const std::array<at::Tensor, 3>& grads, const at::Tensor& predicted,
+                  UpstreamHistory* history) {
   const int64_t dim = anchor.size(-1);
   const int64_t rows = rows_of(anchor);
   TORCH_CHECK(dists.is_cuda() && dists.device() == anchor.device() &&
@@ -269,30 +364,36 @@ void run_backward(const at::Tensor& grad, const at::Tensor& anchor, const at::Te
                   dists.size(0) == (swap ? 3 : 2) && dists.size(1) == rows,
               "fused_triplet: dists must be the forward's [", swap ? 3 : 2, ", ", rows, "] ",
               acc_dtype(anchor), " tensor on ", anchor.device());
-  TORCH_CHECK(grad.device() == anchor.device() && grad.scalar_type() == anchor.scalar_type() &&
+  // The loss's dtype: the inputs', or float32 for 2-byte inputs under autocast.
+  const bool float32_loss = two_byte(anchor.scalar_type()) && grad.scalar_type() == at::kFloat;
+  TORCH_CHECK(grad.device() == anchor.device() &&
+                  (grad.scalar_type() == anchor.scalar_type() || float32_loss) &&
                   grad.numel() == (reduction == kNone ? rows : 1),
               "fused_triplet: the upstream gradient must be ", reduction == kNone ? rows : 1,
-              " values of ", anchor.scalar_type(), " on ", anchor.device());
+              " values of the loss's dtype (", anchor.scalar_type(),
+              two_byte(anchor.scalar_type()) ? " or float32" : "", ") on ", anchor.device());
+  if (rows == 0 || dim == 0) return;
+  const c10::cuda::CUDAGuard guard(anchor.device());
   const at::Tensor a = as_rows(anchor, rows, dim);
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
   const at::Tensor g = grad.reshape({-1}).contiguous();
   const at::Tensor d = dists.contiguous();
-  const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap, reduction,
+                                         float32_loss);
+  const LaunchPlan plan = backward_plan(pr, family, predicted.defined());
   const BackwardInputs in{g.data_ptr(), d.data_ptr(), hinge,
                           grads[0].defined() ? grads[0].data_ptr() : nullptr,
                           grads[1].defined() ? grads[1].data_ptr() : nullptr,
                           grads[2].defined() ? grads[2].data_ptr() : nullptr,
-                          upstream_note_for_gpu(pr, reduction, anchor.get_device(), stream)};
-  C10_CUDA_CHECK(in_place ? launch_upstream(pr, reduction, in, stream)
-                          : launch_backward(pr, backward_plan(pr), reduction, in, stream));
+                          predicted.defined() ? predicted.data_ptr<float>() : nullptr, history};
+  C10_CUDA_CHECK(launch_backward(pr, plan, in, c10::cuda::getCurrentCUDAStream()));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
     const at::Tensor& negative, const at::Tensor& dists, double margin, double p, double eps,
-    bool swap, int64_t reduction, bool hinge, std::array<bool, 3> output_mask) {
+    bool swap, int64_t reduction, bool hinge, std::array<bool, 3> output_mask, int64_t family) {
   check_inputs(anchor, positive, negative, p, reduction);
   const c10::cuda::CUDAGuard guard(anchor.device());
   std::array<at::Tensor, 3> out;
@@ -301,29 +402,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     out[k] = output_mask[k] ? at::empty(inputs[k]->sizes(), anchor.options())
                             : at::empty({0}, anchor.options());
   }
-  if (rows_of(anchor) == 0 || anchor.size(-1) == 0 ||
-      !(output_mask[0] || output_mask[1] || output_mask[2])) {
-    return {out[0], out[1], out[2]};
-  }
+  if (!(output_mask[0] || output_mask[1] || output_mask[2])) return {out[0], out[1], out[2]};
   std::array<at::Tensor, 3> written;
   for (int k = 0; k < 3; ++k) {
     if (output_mask[k]) written[k] = out[k];
   }
   run_backward(grad, anchor, positive, negative, dists, margin, p, eps, swap, reduction, hinge,
-               written, /*in_place=*/false);
+               family, written, at::Tensor(), nullptr);
   return {out[0], out[1], out[2]};
 }
 
-// The backward of a one-pass forward: its gradients (upstream 1) times the upstream gradient, in
-// place; nothing but a note when that is 1.
-void apply_upstream(const at::Tensor& grad, const at::Tensor& anchor, const at::Tensor& positive,
-                    const at::Tensor& negative, const at::Tensor& dists, double margin, double p,
-                    double eps, bool swap, int64_t reduction,
-                    const std::array<at::Tensor, 3>& grads) {
-  const c10::cuda::CUDAGuard guard(anchor.device());
-  run_backward(grad, anchor, positive, negative, dists, margin, p, eps, swap, reduction,
-               hinge_at_zero.load(), grads, /*in_place=*/true);
-}
+// ---- autograd ----------------------------------------------------------------------------------
 
 // Tensors the one pass may take directly: real CUDA tensors with no Python dispatch in the way
 // (fake and functional tensors under torch.compile, subclasses, dispatch modes take the op).
@@ -341,7 +430,7 @@ const auto& forward_op() {
           .findSchemaOrThrow("fused_triplet::triplet_margin_loss", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                     const at::Tensor&, double, double, double,
-                                                    bool, int64_t)>();
+                                                    bool, int64_t, bool, int64_t, int64_t)>();
   return op;
 }
 
@@ -352,35 +441,45 @@ const auto& backward_op() {
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, double, double, double, bool, int64_t, bool,
-              std::array<bool, 3>)>();
+              std::array<bool, 3>, int64_t)>();
   return op;
 }
 
+const char* kHeldGrads[3] = {"grad_a", "grad_p", "grad_n"};
+
 class TripletMarginLossFunction : public torch::autograd::Function<TripletMarginLossFunction> {
  public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& anchor,
-                                                const at::Tensor& positive,
-                                                const at::Tensor& negative, double margin,
-                                                double p, double eps, bool swap,
-                                                int64_t reduction, bool one_pass) {
+  // one_pass: the kernels may run directly (only they can hand back the gradients).
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& anchor, const at::Tensor& positive,
+      const at::Tensor& negative, double margin, double p, double eps, bool swap,
+      int64_t reduction, bool float32_loss, int64_t forward_family, int64_t backward_family,
+      bool one_pass) {
     at::Tensor loss, dists;
-    if (one_pass) {  // the kernels directly: only they can hand back the gradients
+    if (one_pass) {
       ForwardResult out = run_forward(
-          anchor, positive, negative, margin, p, eps, swap, reduction,
+          anchor, positive, negative, margin, p, eps, swap, reduction, float32_loss,
+          forward_family,
           {anchor.requires_grad(), positive.requires_grad(), negative.requires_grad()});
       loss = out.loss;
       dists = out.dists;
-      // Kept outside the saved variables, and dropped by the backward that returns them, so
-      // that autograd can take them as .grad without a copy.
-      const char* names[3] = {"grad_a", "grad_p", "grad_n"};
-      for (int k = 0; k < 3; ++k) {
-        if (out.grads[k].defined()) ctx->saved_data[names[k]] = out.grads[k];
+      if (out.places != nullptr) {
+        ctx->saved_data["places"] = reinterpret_cast<int64_t>(out.places);
+      }
+      if (out.one_pass) {
+        // Kept outside the saved variables, and dropped by the backward that returns them, so
+        // that autograd can take them as .grad without a copy.
+        for (int k = 0; k < 3; ++k) {
+          if (out.grads[k].defined()) ctx->saved_data[kHeldGrads[k]] = out.grads[k];
+        }
+        ctx->saved_data["predicted"] = out.predicted;
+        ctx->saved_data["history"] = reinterpret_cast<int64_t>(out.history);
       }
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(loss, dists) =
-          forward_op().call(anchor, positive, negative, margin, p, eps, swap, reduction);
+      std::tie(loss, dists) = forward_op().call(anchor, positive, negative, margin, p, eps, swap,
+                                                reduction, float32_loss, forward_family,
+                                                backward_family);
     }
     ctx->save_for_backward({anchor, positive, negative, dists});
     ctx->saved_data["margin"] = margin;
@@ -388,6 +487,7 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["swap"] = swap;
     ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["backward_family"] = backward_family;
     ctx->mark_non_differentiable({dists});
     // dists never gets a gradient: without this, autograd fills a zero one for it on every
     // backward (a kernel launch).
@@ -397,8 +497,12 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(9);  // a, p, n; the six options get none
+    torch::autograd::variable_list out(12);  // a, p, n; the nine options get none
     const at::Tensor& grad_loss = grads[0];
+    const auto places_it = ctx->saved_data.find("places");
+    if (places_it != ctx->saved_data.end()) {
+      end_step(reinterpret_cast<StepPlaces*>(places_it->second.toInt()));
+    }
     if (!grad_loss.defined()) return out;
     const auto saved = ctx->get_saved_variables();
     const double margin = ctx->saved_data["margin"].toDouble();
@@ -406,18 +510,24 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
     const double eps = ctx->saved_data["eps"].toDouble();
     const bool swap = ctx->saved_data["swap"].toBool();
     const int64_t reduction = ctx->saved_data["reduction"].toInt();
+    const int64_t family = ctx->saved_data["backward_family"].toInt();
     const std::array<bool, 3> needed = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                         ctx->needs_input_grad(2)};
     // The one pass's gradients, taken out (a second backward, retain_graph=True, takes two).
     std::array<at::Tensor, 3> held;
-    const char* names[3] = {"grad_a", "grad_p", "grad_n"};
     for (int k = 0; k < 3; ++k) {
-      const auto it = ctx->saved_data.find(names[k]);
+      const auto it = ctx->saved_data.find(kHeldGrads[k]);
       if (it == ctx->saved_data.end()) continue;
-      held[k] = it->second.toTensor();
+      if (needed[k]) held[k] = it->second.toTensor();
       ctx->saved_data.erase(it);
     }
-    const bool one_pass = held[0].defined() || held[1].defined() || held[2].defined();
+    at::Tensor predicted;
+    UpstreamHistory* history = nullptr;
+    if (const auto it = ctx->saved_data.find("predicted"); it != ctx->saved_data.end()) {
+      predicted = it->second.toTensor();
+      history = reinterpret_cast<UpstreamHistory*>(ctx->saved_data["history"].toInt());
+      ctx->saved_data.erase(it);
+    }
     if (at::GradMode::is_enabled()) {
       // create_graph=True (double backward): the fused backward is not differentiable, so
       // differentiate ATen's own formula on the saved inputs; its gradients are.
@@ -436,18 +546,15 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
       }
       return out;
     }
-    if (one_pass) {
-      for (int k = 0; k < 3; ++k) {
-        if (!needed[k]) held[k] = at::Tensor();
-      }
-      apply_upstream(grad_loss, saved[0], saved[1], saved[2], saved[3], margin, p, eps, swap,
-                     reduction, held);
+    if (predicted.defined()) {  // after the one pass: check its gradients, in place
+      run_backward(grad_loss, saved[0], saved[1], saved[2], saved[3], margin, p, eps, swap,
+                   reduction, hinge_at_zero.load(), family, held, predicted, history);
       for (int k = 0; k < 3; ++k) out[k] = held[k];
       return out;
     }
     const auto [ga, gp, gn] =
         backward_op().call(grad_loss, saved[0], saved[1], saved[2], saved[3], margin, p, eps,
-                           swap, reduction, hinge_at_zero.load(), needed);
+                           swap, reduction, hinge_at_zero.load(), needed, family);
     if (needed[0]) out[0] = ga;
     if (needed[1]) out[1] = gp;
     if (needed[2]) out[2] = gn;
@@ -455,11 +562,10 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
   }
 };
 
-std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor& anchor,
-                                                    const at::Tensor& positive,
-                                                    const at::Tensor& negative, double margin,
-                                                    double p, double eps, bool swap,
-                                                    int64_t reduction) {
+std::tuple<at::Tensor, at::Tensor> forward_autograd(
+    const at::Tensor& anchor, const at::Tensor& positive, const at::Tensor& negative,
+    double margin, double p, double eps, bool swap, int64_t reduction, bool float32_loss,
+    int64_t forward_family, int64_t backward_family) {
   // One pass possible: gradients will be wanted ('mean' / 'sum', autograd recording) and the
   // tensors are plain CUDA ones with no dispatch mode to see the op.
   const bool one_pass =
@@ -468,31 +574,76 @@ std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor& anchor,
       plain_cuda(anchor) && plain_cuda(positive) && plain_cuda(negative) &&
       c10::impl::TorchDispatchModeTLS::stack_len() == 0;
   auto out = TripletMarginLossFunction::apply(anchor, positive, negative, margin, p, eps, swap,
-                                              reduction, one_pass);
+                                              reduction, float32_loss, forward_family,
+                                              backward_family, one_pass);
   return {out[0], out[1]};
 }
 
-void set_hinge_at_zero(bool value) { hinge_at_zero.store(value); }
+// ---- autocast ----------------------------------------------------------------------------------
 
-void force_families(int64_t forward, int64_t backward) {
-  forced_forward.store(static_cast<int>(forward));
-  forced_backward.store(static_cast<int>(backward));
+// torch's CUDA autocast runs triplet_margin_loss in float32 (its float32 list). 2-byte inputs of
+// one dtype are read as they are, for a float32 loss (the cast is exact); anything else goes on
+// as it came (mixed dtypes are promoted by the caller, float32 and float64 keep theirs).
+std::tuple<at::Tensor, at::Tensor> forward_autocast(
+    const at::Tensor& anchor, const at::Tensor& positive, const at::Tensor& negative,
+    double margin, double p, double eps, bool swap, int64_t reduction, bool float32_loss,
+    int64_t forward_family, int64_t backward_family) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  const bool one_two_byte_dtype = two_byte(anchor.scalar_type()) &&
+                                  positive.scalar_type() == anchor.scalar_type() &&
+                                  negative.scalar_type() == anchor.scalar_type();
+  return forward_op().call(anchor, positive, negative, margin, p, eps, swap, reduction,
+                           float32_loss || one_two_byte_dtype, forward_family, backward_family);
 }
 
-// Which kernels the ops would launch for these inputs (already broadcast to one shape).
+// library-only }
+
+// ---- tests' view ---------------------------------------------------------------------------------
+
+void set_hinge_at_zero(bool value) { hinge_at_zero.store(value); }
+
+// library-only {
+// Which kernels the ops would launch for these inputs (already broadcast to one shape), with the
+// families asked for: "forward ...; training ...; backward ...; training backward ..." (a one
+// pass asked for applies to the training forward).
 std::string describe_plans(const at::Tensor& anchor, const at::Tensor& positive,
-                           const at::Tensor& negative, double p, bool swap) {
+                           const at::Tensor& negative, double p, bool swap,
+                           int64_t forward_family, int64_t backward_family) {
   check_inputs(anchor, positive, negative, p, kMean);
   const c10::cuda::CUDAGuard guard(anchor.device());
   const int64_t rows = rows_of(anchor), dim = anchor.size(-1);
   const at::Tensor a = as_rows(anchor, rows, dim);
   const at::Tensor pos = as_rows(positive, rows, dim);
   const at::Tensor neg = as_rows(negative, rows, dim);
-  const TripletProblem pr = make_problem(a, pos, neg, 1.0, p, 1e-6, swap);
-  return "forward " + describe_plan(forward_plan(pr, false), true) + "; training " +
-         describe_plan(forward_plan(pr, true), true) + "; backward " +
-         describe_plan(backward_plan(pr), false);
+  const TripletProblem pr = make_problem(a, pos, neg, 1.0, p, 1e-6, swap, kMean, false);
+  const LaunchPlan training = forward_plan(pr, forward_family, true);
+  const bool after_one_pass = training.family == static_cast<int>(ForwardFamily::kOnePass);
+  const int64_t plain = after_one_pass ? static_cast<int64_t>(ForwardFamily::kAuto)
+                                       : forward_family;
+  return "forward " + describe_plan(forward_plan(pr, plain, false), true) +
+         "; training " + describe_plan(training, true) + "; backward " +
+         describe_plan(backward_plan(pr, backward_family, false), false) +
+         "; training backward " +
+         describe_plan(backward_plan(pr, backward_family, after_one_pass), false);
 }
+
+// The histories of a problem's places as int32 pairs (float bits of the last upstream gradient,
+// whether it repeated), a copy; empty before its first training forward.
+at::Tensor upstream_history(const at::Tensor& anchor, const at::Tensor& positive,
+                            const at::Tensor& negative, double margin, double p, double eps,
+                            bool swap, int64_t reduction, bool float32_loss) {
+  check_inputs(anchor, positive, negative, p, reduction);
+  const c10::cuda::CUDAGuard guard(anchor.device());
+  const int64_t rows = rows_of(anchor), dim = anchor.size(-1);
+  const at::Tensor a = as_rows(anchor, rows, dim);
+  const ProblemKey key = key_of(
+      make_problem(a, a, a, margin, p, eps, swap, reduction, float32_loss), anchor.get_device());
+  const std::lock_guard<std::mutex> lock(places_mutex);
+  const auto it = step_places->find(key);
+  if (it == step_places->end()) return at::empty({0, 2}, anchor.options().dtype(at::kInt));
+  return it->second.histories.view({kPlacesPerStep, 2}).clone();
+}
+// library-only }
 
 }  // namespace
 }  // namespace fused_triplet
@@ -500,33 +651,50 @@ std::string describe_plans(const at::Tensor& anchor, const at::Tensor& positive,
 TORCH_LIBRARY(fused_triplet, m) {
   // Inputs: three tensors of one shape (..., D), dtype and CUDA device (the Python wrapper
   // broadcasts and promotes them). Returns (loss, dists): loss has the batch shape for
-  // reduction 0 ('none') and is a scalar for 1 ('mean') and 2 ('sum'), in the input dtype;
-  // dists is [2 or 3 (swap), rows] (d_ap, d_an, d_pn) in float (double for double inputs).
+  // reduction 0 ('none') and is a scalar for 1 ('mean') and 2 ('sum'), in the input dtype
+  // (float32 for 2-byte inputs with float32_loss, as autocast sets it); dists is
+  // [2 or 3 (swap), rows] (d_ap, d_an, d_pn) in float (double for double inputs).
+  // forward_family / backward_family: -1 lets the plan choose; tests ask for a family (forward
+  // 0 rows, 1 ring, 2 one pass; backward 0 rows, 1 pointwise, 2 check after a one pass).
   m.def(
       "triplet_margin_loss(Tensor anchor, Tensor positive, Tensor negative, float margin, "
-      "float p, float eps, bool swap, int reduction) -> (Tensor, Tensor)");
-  // The gradients of (anchor, positive, negative) given the loss's upstream gradient and the
-  // forward's dists; output_mask says which are needed (the others come back empty).
-  // hinge_at_zero: whether clamp_min passes the gradient at exactly 0 (torch <= 2.13 does).
+      "float p, float eps, bool swap, int reduction, bool float32_loss=False, "
+      "int forward_family=-1, int backward_family=-1) -> (Tensor, Tensor)");
+  // library-only {
+  // The gradients of (anchor, positive, negative) given the loss's upstream gradient (in the
+  // loss's dtype) and the forward's dists; output_mask says which are needed (the others come
+  // back empty). hinge_at_zero: whether clamp_min passes the gradient at exactly 0 (torch <= 2.13
+  // does).
   m.def(
       "triplet_margin_loss_backward(Tensor grad, Tensor anchor, Tensor positive, "
       "Tensor negative, Tensor dists, float margin, float p, float eps, bool swap, "
-      "int reduction, bool hinge_at_zero, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+      "int reduction, bool hinge_at_zero, bool[3] output_mask, int family=-1) "
+      "-> (Tensor, Tensor, Tensor)");
+  // Tests: what the plans pick, and what the one pass predicts from.
+  m.def(
+      "describe_plans(Tensor anchor, Tensor positive, Tensor negative, float p, bool swap, "
+      "int forward_family=-1, int backward_family=-1) -> str");
+  m.def(
+      "upstream_history(Tensor anchor, Tensor positive, Tensor negative, float margin, float p, "
+      "float eps, bool swap, int reduction, bool float32_loss=False) -> Tensor");
+  // library-only }
   // Set once when the library loads, from a probe of the installed torch.
   m.def("set_hinge_at_zero(bool value) -> ()", &fused_triplet::set_hinge_at_zero);
-  // Tests: launch these kernel families (forward 0 rows, 1 ring, 2 one pass (training calls,
-  // whatever the last upstream gradient); backward 0 rows, 1 pointwise; -1 the plan's), and
-  // describe what the plans pick (forward, training forward if gradients wanted, backward).
-  m.def("force_families(int forward, int backward) -> ()", &fused_triplet::force_families);
-  m.def("describe_plans(Tensor anchor, Tensor positive, Tensor negative, float p, bool swap) -> str");
 }
 
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
   m.impl("triplet_margin_loss", &fused_triplet::forward_cuda);
-  m.impl("triplet_margin_loss_backward", &fused_triplet::backward_cuda);
-  m.impl("describe_plans", &fused_triplet::describe_plans);
+  m.impl("triplet_margin_loss_backward", &fused_triplet::backward_cuda);  // library-only
+  m.impl("describe_plans", &fused_triplet::describe_plans);               // library-only
+  m.impl("upstream_history", &fused_triplet::upstream_history);           // library-only
 }
 
+// library-only {
 TORCH_LIBRARY_IMPL(fused_triplet, Autograd, m) {
   m.impl("triplet_margin_loss", &fused_triplet::forward_autograd);
 }
+
+TORCH_LIBRARY_IMPL(fused_triplet, AutocastCUDA, m) {
+  m.impl("triplet_margin_loss", &fused_triplet::forward_autocast);
+}
+// library-only }

@@ -48,7 +48,8 @@ def main() -> int:
     parser.add_argument("--shapes", default=bench.SWEEP_SHAPES)
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--modes", default="forward,fwd+bwd",
-                        help="forward, fwd+bwd (loss.backward()), weighted ((0.5 * loss).backward())")
+                        help="forward, fwd+bwd (loss.backward()), weighted ((0.5 * loss).backward()), "
+                        "alternating (upstream gradients 1 and 0.5 in turn)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--compile", action="store_true", help="time torch.compile as well")
     parser.add_argument("--json", metavar="PATH")
@@ -102,14 +103,17 @@ def main() -> int:
                     ctx = torch.no_grad
                 else:
                     inputs = [x.requires_grad_() for x in inputs]
-
-                    weight = 0.5 if mode == "weighted" else 1.0
+                    weights = {"weighted": [0.5], "alternating": [1.0, 0.5]}.get(mode, [1.0])
 
                     def step_of(module):
+                        calls = [0]
+
                         def step(*xs):
                             for x in xs:
                                 x.grad = None
                             loss = module(*xs)
+                            weight = weights[calls[0] % len(weights)]
+                            calls[0] += 1
                             (loss if weight == 1.0 else weight * loss).backward()
                         return step
                     fns = {name: step_of(m) for name, m in modules.items()}

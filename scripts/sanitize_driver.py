@@ -2,10 +2,11 @@
 
 First what the plans pick: teams of 8, 32 and 256 threads, split rows and the finishing kernel,
 the unaligned (scalar) path, every norm kind, swap, each reduction, forward and backward. Then
-each family forced where it can run (forward rows and ring; backward rows and pointwise; the
-one-pass training forward with its in-place backward), p = 2 and 1, upstream gradients 1 and 0.5: contiguous, strided and split rows, whole fp16/bf16 rows (the ring's 4 KiB chunks), a row
-whose last chunk is 16 bytes, a short last slice, float32 rows in the ring's tiles (teams of 8 and 32, rows ending mid-stage,
-a last row group not full, strided).
+each family asked for where it can run (forward rows and ring; backward rows and pointwise; the
+one-pass training forward with its check, predicting right and wrong), p = 2 and 1, upstream
+gradients 1 and 0.5: contiguous, strided and split rows, whole fp16/bf16 rows (the ring's 4 KiB
+chunks), a row whose last chunk is 16 bytes, a short last slice, float32 rows in the ring's tiles
+(teams of 8 and 32, rows ending mid-stage, a last row group not full, strided).
 """
 import math
 import os
@@ -20,21 +21,23 @@ torch.manual_seed(0)
 ops = ft._ops()
 
 
-def can_run(xs, pnorm):
-    """Whether the forced families take these inputs."""
+def can_run(xs, pnorm, families):
+    """Whether the families asked for take these inputs."""
     try:
-        ops.describe_plans(*xs, pnorm, True)
+        ops.describe_plans(*xs, pnorm, True, *families)
     except RuntimeError:
         return False
     return True
 
 
-def step(xs, **kw):
-    for reduction in ("none", "mean", "sum"):
-        ft.triplet_margin_loss(*xs, reduction=reduction, **kw)
-    for weight in (1.0, 0.5):  # the one pass's backward: nothing to apply, and in place
+def step(xs, families=(-1, -1), p=2.0, swap=False):
+    plain = -1 if families[0] == 2 else families[0]  # the one pass is for training calls
+    for reduction in (0, 1, 2):
+        ops.triplet_margin_loss(*xs, 1.0, p, 1e-6, swap, reduction, False, plain)
+    for weight in (1.0, 1.0, 0.5, 0.5, 0.5):  # the one pass predicting right, wrong, none, right
         leaves = [x.detach().requires_grad_() for x in xs]
-        (weight * ft.triplet_margin_loss(*leaves, **kw)).backward()
+        loss = ops.triplet_margin_loss(*leaves, 1.0, p, 1e-6, swap, 1, False, *families)[0]
+        (weight * loss).backward()
 
 
 for shape in [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)]:
@@ -52,14 +55,12 @@ cases += [((4200, 1024), 1024, torch.float32), ((1500, 3000), 3008, torch.float3
 cases += [((4, 8192), 8192, d) for d in (torch.bfloat16, torch.float16)]
 cases += [((4, 4104), 4104, torch.bfloat16), ((3, 20000), 20000, torch.bfloat16),
           ((64, 2048), 2048, torch.float64)]
-for forward, backward in ((0, 0), (1, 1), (2, -1)):
-    ops.force_families(forward, backward)
+for families in ((0, 0), (1, 1), (2, -1)):
     for shape, width, dtype in cases:
         xs = [torch.rand(shape[0], width, device="cuda", dtype=dtype)[:, :shape[1]]
               for _ in range(3)]
         for pnorm in (2.0, 1.0):
-            if can_run(xs, pnorm):
-                step(xs, p=pnorm, swap=True)
-ops.force_families(-1, -1)
+            if can_run(xs, pnorm, families):
+                step(xs, families, p=pnorm, swap=True)
 torch.cuda.synchronize()
 print("sanitize driver: done")

@@ -1,4 +1,3 @@
-import contextlib
 import os
 import sys
 
@@ -14,16 +13,17 @@ requires_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="no CUDA GPU visible: the fused kernels run only on a GPU")
 
 
-@contextlib.contextmanager
-def forced(forward=-1, backward=-1):
-    """Makes fused_triplet take the given kernel families (-1: the plan's choice) inside."""
+def fused_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6, swap=False,
+               reduction="mean", forward=-1, backward=-1):
+    """fused_triplet's loss (under autograd where the inputs require grad) on inputs of one shape
+    and dtype, with the kernel families asked for: forward 0 rows, 1 ring, 2 one pass; backward
+    0 rows, 1 pointwise, 2 check; -1 the plan's choice."""
     import fused_triplet as ft
 
-    ft._ops().force_families(forward, backward)
-    try:
-        yield
-    finally:
-        ft._ops().force_families(-1, -1)
+    reduction = {"none": 0, "mean": 1, "sum": 2}[reduction]
+    return ft._ops().triplet_margin_loss(anchor, positive, negative, float(margin), float(p),
+                                         float(eps), swap, reduction, False, forward,
+                                         backward)[0]
 
 
 def same_error(ours, theirs):

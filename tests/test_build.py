@@ -166,3 +166,32 @@ def test_fake_kernels_and_autograd_glue(build_log, build_env):
     proc = subprocess.run([sys.executable, "-c", FAKE_CHECK], cwd=ROOT, env=build_env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "fake ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@needs_nvcc
+def test_kernelbench_file_builds_six_float32_kernels(build_env, tmp_path, pytestconfig):
+    """The KernelBench file compiles the float32 forward kernels problem 99 reaches: 6 kernel
+    functions per architecture, no spills. Its first build's time is reported (not asserted:
+    machines differ)."""
+    import time
+
+    path = tmp_path / "model_new.py"
+    subprocess.run([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--export", str(path),
+                    "--kernelbench"], check=True, capture_output=True, timeout=120)
+    env = dict(build_env, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(path), "--build"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    seconds = time.monotonic() - start
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", log)
+    for arch in {a for _, a in kernels}:
+        assert sum(1 for _, a in kernels if a == arch) == 6, (arch, kernels)
+    props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                       log)
+    assert props and all(p == ("0", "0", "0") for p in props), props
+    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"tests/test_build.py: the KernelBench file's first build took "
+                            f"{seconds:.1f} s ({env.get('TORCH_CUDA_ARCH_LIST', 'this GPU')})")

@@ -344,9 +344,9 @@ def test_raw_ops_take_exactly_the_kernels_dtypes():
             if dtype in kernel_dtypes:
                 xs[:] = [torch.rand((4, 64), device=DEV).to(dtype) for _ in range(3)]
                 call()
-            else:
+            else:  # quantized dtypes stop at the dispatcher: no kernel of ours is registered
                 with pytest.raises(RuntimeError, match="expected float16, bfloat16, float32 or "
-                                   "float64 inputs"):
+                                   "float64 inputs|Could not run 'fused_triplet::"):
                     call()
         torch.cuda.synchronize()  # nothing launched read past a buffer
     assert tried > 10

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fused_triplet as ft
-from conftest import (assert_as_accurate_as_torch, distance_scale, forced, rand_triplet,
+from conftest import (assert_as_accurate_as_torch, distance_scale, fused_loss, rand_triplet,
                       requires_cuda)
 
 pytestmark = requires_cuda
@@ -15,23 +15,22 @@ FORWARD = {"rows": 0, "ring": 1}
 BACKWARD = {"rows": 0, "pointwise": 1}
 
 
-def plans(a, p, n, pnorm=2.0, swap=False):
-    return ft._ops().describe_plans(a, p, n, pnorm, swap)
+def plans(a, p, n, pnorm=2.0, swap=False, forward=-1, backward=-1):
+    return ft._ops().describe_plans(a, p, n, pnorm, swap, forward, backward)
 
 
 def can_run(forward=-1, backward=-1, *args, **kw):
-    with forced(forward, backward):
-        try:
-            plans(*args, **kw)
-        except RuntimeError as e:
-            assert "cannot run" in str(e)
-            return False
+    try:
+        plans(*args, forward=forward, backward=backward, **kw)
+    except RuntimeError as e:
+        assert "cannot run" in str(e)
+        return False
     return True
 
 
 def loss_and_grads(anchor, positive, negative, **kw):
     xs = [x.detach().clone().requires_grad_() for x in (anchor, positive, negative)]
-    loss = ft.triplet_margin_loss(*xs, **kw)
+    loss = fused_loss(*xs, **kw)
     grads = torch.autograd.grad(loss.sum(), xs)
     torch.cuda.synchronize()
     return loss.detach(), grads
@@ -68,8 +67,7 @@ def test_forward_families_same_bits(shape, dtype, pnorm):
                 kw = dict(p=pnorm, swap=swap, reduction=reduction)
                 results = {}
                 for name, family in FORWARD.items():
-                    with forced(forward=family):
-                        results[name] = loss_and_grads(*args, **kw)[0]
+                    results[name] = loss_and_grads(*args, forward=family, **kw)[0]
                 assert torch.equal(results["rows"], results["ring"]), (swap, reduction)
                 theirs = torch.nn.functional.triplet_margin_loss(*args, **kw)
                 ref = torch.nn.functional.triplet_margin_loss(*(x.double() for x in args), **kw)
@@ -97,8 +95,7 @@ def test_backward_families_same_bits(shape, dtype, pnorm):
                 kw = dict(p=pnorm, swap=swap, reduction=reduction, margin=0.1)
                 grads = {}
                 for name, family in BACKWARD.items():
-                    with forced(backward=family):
-                        grads[name] = loss_and_grads(*args, **kw)[1]
+                    grads[name] = loss_and_grads(*args, backward=family, **kw)[1]
                 for g_rows, g_pointwise in zip(grads["rows"], grads["pointwise"]):
                     assert torch.equal(g_rows, g_pointwise), (swap, reduction)
                 theirs, ref = [], []
@@ -110,23 +107,23 @@ def test_backward_families_same_bits(shape, dtype, pnorm):
                     assert_as_accurate_as_torch(g, t, r)
 
 
-def test_forced_family_that_cannot_run_is_an_error():
+def test_family_that_cannot_run_is_an_error():
     a, p, n = rand_triplet((8, 33), torch.float32, DEV)  # 132-byte rows: no 16-byte loads
-    with forced(forward=FORWARD["ring"]):
-        with pytest.raises(RuntimeError, match="forced forward family cannot run"):
-            ft.triplet_margin_loss(a, p, n)
-    with forced(backward=BACKWARD["pointwise"]):
-        with pytest.raises(RuntimeError, match="forced backward family cannot run"):
-            loss_and_grads(a, p, n)
-    with forced(backward=BACKWARD["pointwise"]):  # p = 3 needs the rows kernel
-        a, p, n = rand_triplet((8, 64), torch.float32, DEV)
-        with pytest.raises(RuntimeError, match="p = 1 or 2"):
-            loss_and_grads(a, p, n, p=3.0)
+    with pytest.raises(RuntimeError, match="asked-for forward family cannot run"):
+        fused_loss(a, p, n, forward=FORWARD["ring"])
+    with pytest.raises(RuntimeError, match="asked-for backward family cannot run"):
+        loss_and_grads(a, p, n, backward=BACKWARD["pointwise"])
+    a, p, n = rand_triplet((8, 64), torch.float32, DEV)  # p = 3 needs the rows kernel
+    with pytest.raises(RuntimeError, match="p = 1 or 2"):
+        loss_and_grads(a, p, n, p=3.0, backward=BACKWARD["pointwise"])
+    with pytest.raises(RuntimeError, match="follows a onepass forward"):
+        loss_and_grads(a, p, n, forward=FORWARD["rows"], backward=2)
 
 
 def test_plans_are_described():
     a, p, n = rand_triplet((32, 8192), torch.float32, DEV)
     text = plans(a, p, n)
     assert text.startswith("forward ") and "; backward " in text and "threads_per_row=" in text
+    assert "; training onepass" in text and "; training backward check" in text
     rows_text = plans(a, p, n, pnorm=3.0)
     assert "forward rows" in rows_text and "backward rows" in rows_text
