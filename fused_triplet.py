@@ -28,6 +28,7 @@ import warnings
 import torch
 from torch import Tensor
 
+__version__ = "0.1.0"
 __all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build", "export"]
 
 # ---------------------------------------------------------------------------------------------
@@ -89,6 +90,9 @@ def cpp_source() -> str:
 # ---------------------------------------------------------------------------------------------
 
 CXX_FLAGS = ["-O2"]
+# A first build on 2 cores for one architecture (the host compiler's pass over torch's headers
+# takes most of it).
+BUILD_TIME = "about 12 s" if KERNELBENCH else "about 30 s"
 _library_path = None
 
 
@@ -98,17 +102,22 @@ def _nvcc_flags() -> list:
     return ["-O3", "-lineinfo"] + verbose
 
 
-def _parallel_flags(toolkit: str) -> list:
-    """nvcc 12+ optimizes the kernels on every core (--split-compile; the same binary), so the
-    first build takes a fraction of the time on a many-core host. Not in the extension's name:
-    a library built either way loads the same."""
+def _nvcc_release(toolkit: str):
+    """(major, minor) of the toolkit's nvcc, or None where it says none."""
     import re
     import subprocess
 
     out = subprocess.run([os.path.join(toolkit, "bin", "nvcc"), "--version"],
                          capture_output=True, text=True).stdout
-    found = re.search(r"release (\d+)\.", out)
-    return ["--split-compile=0"] if found and int(found.group(1)) >= 12 else []
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def _parallel_flags(release) -> list:
+    """nvcc 12+ optimizes the kernels on every core (--split-compile; the same binary), so the
+    first build takes a fraction of the time on a many-core host. Not in the extension's name:
+    a library built either way loads the same."""
+    return ["--split-compile=0"] if release and release[0] >= 12 else []
 
 
 def _extension_name() -> str:
@@ -157,6 +166,63 @@ def _unwritable(path: str) -> bool:
     return not (os.path.isdir(path) and os.access(path, os.W_OK))
 
 
+def _build_location():
+    """(name, folder, library, marker) of this torch's build of the sources: under
+    $TORCH_EXTENSIONS_DIR, else torch's extension cache; the marker is written once the library
+    is whole."""
+    name = _extension_name()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_build_root()
+    folder = os.path.join(root, name)
+    return name, folder, os.path.join(folder, name + ".so"), os.path.join(folder, "fused_triplet.built")
+
+
+def _cpp_extension(verbose: bool):
+    """torch.utils.cpp_extension, imported only to compile (it imports setuptools and probes
+    CUDA). Its import-time notice that no GPU is visible only with verbose: the build's own line
+    says which toolkit and architectures it uses."""
+    import logging
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    if not verbose:
+        log.setLevel(logging.ERROR)
+    from torch.utils import cpp_extension
+    log.setLevel(level)
+    return cpp_extension
+
+
+def _target_archs() -> str:
+    """The architectures a build compiles for, as torch's extension builder picks them."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(",", ";").replace(" ", ";").split(";")
+        return ", ".join("sm_" + a.split("+")[0].replace(".", "") for a in archs if a)
+    caps = sorted({torch.cuda.get_device_capability(d) for d in range(torch.cuda.device_count())})
+    return ", ".join(f"sm_{major}{minor}" for major, minor in caps)
+
+
+def _build_problem(cpp_extension=None) -> str | None:
+    """Why build() cannot load or compile the kernels here, or None if it can."""
+    if not KERNEL_SOURCES:
+        return ("fused_triplet: the CUDA sources are missing: keep the kernels/ folder beside "
+                "fused_triplet.py, or use the one-file export (python fused_triplet.py --export "
+                "PATH)")
+    _, folder, library, marker = _build_location()
+    if os.path.exists(marker) and os.path.exists(library):
+        return None
+    toolkit, problem = _find_toolkit(cpp_extension or _cpp_extension(False))
+    if problem:
+        return (f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: {problem}. "
+                "Set CUDA_HOME to the toolkit's folder (the one with bin/nvcc and "
+                "lib64/libcudart.so). CPU tensors do not need it.")
+    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return ("fused_triplet: no GPU visible to build for: set TORCH_CUDA_ARCH_LIST (e.g. 9.0 "
+                "for an H100/H200) to compile anyway")
+    if _unwritable(folder):
+        return (f"fused_triplet: cannot write the build folder {folder}: set "
+                "TORCH_EXTENSIONS_DIR to a writable folder")
+    return None
+
+
 def build(verbose: bool = False) -> str:
     """Compile (the first time only) and load the CUDA ops; returns the shared library's path.
 
@@ -165,40 +231,25 @@ def build(verbose: bool = False) -> str:
     """
     if _library_path is not None:
         return _library_path
-    if not KERNEL_SOURCES:
-        raise RuntimeError("fused_triplet: the CUDA sources are missing: keep the kernels/ folder "
-                           "beside fused_triplet.py, or use the one-file export "
-                           "(python fused_triplet.py --export PATH)")
-    name = _extension_name()
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_build_root()
-    build_dir = os.path.join(root, name)
-    library = os.path.join(build_dir, name + ".so")
-    built = os.path.join(build_dir, "fused_triplet.built")  # written once the library is whole
-    if os.path.exists(built) and os.path.exists(library):
+    name, folder, library, marker = _build_location() if KERNEL_SOURCES else (None,) * 4
+    if marker and os.path.exists(marker) and os.path.exists(library):
         # Built before for these sources and this torch: load it directly (no toolkit needed,
         # none of load_inline's checks).
         torch.ops.load_library(library)
         return _finish_loading(library)
-    # Only to compile: importing it imports setuptools and probes CUDA (0.43 s on the H200 host).
-    from torch.utils import cpp_extension
-
-    toolkit, problem = _find_toolkit(cpp_extension)
+    cpp_extension = _cpp_extension(verbose) if KERNEL_SOURCES else None
+    problem = _build_problem(cpp_extension)
     if problem:
-        raise RuntimeError(f"fused_triplet: compiling the CUDA kernels needs the CUDA toolkit: "
-                           f"{problem}. Set CUDA_HOME to the toolkit's folder (the one with "
-                           "bin/nvcc and lib64/libcudart.so). CPU tensors do not need it.")
-    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        raise RuntimeError("fused_triplet: no GPU visible to build for: set TORCH_CUDA_ARCH_LIST "
-                           "(e.g. 9.0 for an H100/H200) to compile anyway")
-    if _unwritable(build_dir):
-        raise RuntimeError(f"fused_triplet: cannot write the build folder {build_dir}: set "
-                           "TORCH_EXTENSIONS_DIR to a writable folder")
-    os.makedirs(build_dir, exist_ok=True)
+        raise RuntimeError(problem)
+    toolkit, _ = _find_toolkit(cpp_extension)
+    os.makedirs(folder, exist_ok=True)
     cpp_extension.CUDA_HOME = toolkit  # load_inline reads nvcc and libcudart from here
+    release = _nvcc_release(toolkit)
     if not os.path.exists(library):
-        print(f"fused_triplet: compiling the CUDA kernels with {toolkit}/bin/nvcc into {build_dir}: "
-              "once per source or torch change, 20-40 s per GPU architecture (later imports load "
-              "the built library)...", file=sys.stderr, flush=True)
+        cuda = f"CUDA {release[0]}.{release[1]}" if release else toolkit
+        print(f"fused_triplet: compiling its CUDA kernels for {_target_archs()} with {cuda} "
+              f"({BUILD_TIME}, once; later imports load the built library)...", file=sys.stderr,
+              flush=True)
     # Only the headers each side includes itself (torch's implicit ones cost most of the build).
     implicit = "no_implicit_headers" in inspect.signature(cpp_extension.load_inline).parameters
     path = cpp_extension.load_inline(
@@ -206,15 +257,15 @@ def build(verbose: bool = False) -> str:
         cpp_sources=cpp_source(),
         cuda_sources=cuda_source(),
         extra_cflags=CXX_FLAGS,
-        extra_cuda_cflags=_nvcc_flags() + _parallel_flags(toolkit),
-        build_directory=build_dir,
+        extra_cuda_cflags=_nvcc_flags() + _parallel_flags(release),
+        build_directory=folder,
         is_python_module=False,
         verbose=verbose,
         **({"no_implicit_headers": True} if implicit else {}),
     )
-    with open(built + f".{os.getpid()}", "w") as f:
+    with open(marker + f".{os.getpid()}", "w") as f:
         f.write(path + "\n")
-    os.replace(built + f".{os.getpid()}", built)
+    os.replace(marker + f".{os.getpid()}", marker)
     return _finish_loading(path)
 
 
@@ -585,6 +636,7 @@ def _main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fused_triplet {__version__}")
     parser.add_argument("--build", action="store_true",
                         help="compile and load the CUDA kernels now (verbose), print the library")
     parser.add_argument("--export", metavar="PATH",
@@ -597,6 +649,10 @@ def _main(argv=None) -> int:
     if args.export:
         print(export(args.export, kernelbench=args.kernelbench))
     if args.build:
+        problem = _build_problem()
+        if problem:
+            print(problem, file=sys.stderr)
+            return 1
         print(build(verbose=True))
     if not (args.export or args.build):
         parser.print_help()

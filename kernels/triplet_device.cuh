@@ -71,7 +71,7 @@ __device__ __forceinline__ Pack<T> load_stream(const T* ptr) {
   return out;
 }
 
-// Plain loads, as Triton emits for a pointwise kernel: the pointwise backward's (2% faster there).
+// Plain loads, as Triton emits for a pointwise kernel: the pointwise backward's (faster there).
 template <typename T>
 __device__ __forceinline__ Pack<T> load_plain(const T* ptr) {
   Pack<T> out;

@@ -1085,6 +1085,7 @@ struct Geometry {
   bool whole_packs;   // every row a whole number of packs
   int tpr;
   int64_t splits, split_elems, units;
+  int ring_chunk_bytes;  // bytes of each input per ring stage, were the ring to take it
 };
 
 Geometry geometry_of(const TripletProblem& pr) {
@@ -1120,14 +1121,9 @@ Geometry geometry_of(const TripletProblem& pr) {
     }
   }
   g.units = groups(g.tpr) * g.splits;
-  return g;
-}
-
-// Bytes of each input per ring stage.
-int ring_chunk_bytes(const TripletProblem& pr, const Geometry& g) {
   const bool whole_long_rows = g.splits == 1 && g.tpr == kBlockThreads;
-  return element_size(pr.dtype) == 2 && whole_long_rows ? kRingChunkBytesShortElems
-                                                        : kRingChunkBytes;
+  g.ring_chunk_bytes = size == 2 && whole_long_rows ? kRingChunkBytesShortElems : kRingChunkBytes;
+  return g;
 }
 
 // library-only {
@@ -1153,7 +1149,7 @@ const char* forward_unfit(const TripletProblem& pr, const Geometry& g, ForwardFa
     if (g.tpr < kBlockThreads) {
       if (pr.dtype != DType::kFloat) return "the ring takes teams of 8 or 32 for float32 only";
       if (pr.dim == 0) return "the ring's tiles need elements";
-      if (ring_chunk_bytes(pr, g) / (kBlockThreads / g.tpr) / element_size(pr.dtype) > kTileMaxCols) {
+      if (g.ring_chunk_bytes / (kBlockThreads / g.tpr) / element_size(pr.dtype) > kTileMaxCols) {
         return "the ring's tiles take rows of at most 256 elements per stage";
       }
       const int64_t strides[3] = {pr.stride_a, pr.stride_p, pr.stride_n};
@@ -1200,7 +1196,7 @@ const char* backward_unfit(const TripletProblem& pr, const Geometry& g, Backward
 // The ring's tiles where they beat register loads (the table's thresholds).
 bool ring_pays(const TripletProblem& pr, const Geometry& g) {
   if (g.tpr == kBlockThreads) return g.row_bytes >= kRingMinRowBytes;
-  const int64_t segment_bytes = ring_chunk_bytes(pr, g) / (kBlockThreads / g.tpr);
+  const int64_t segment_bytes = g.ring_chunk_bytes / (kBlockThreads / g.tpr);
   return pr.rows * g.row_bytes >= kRingTilesMinInputBytes && g.row_bytes % segment_bytes == 0;
 }
 
@@ -1270,7 +1266,7 @@ LaunchPlan plan_forward(const TripletProblem& pr, ForwardFamily family, bool wri
       break;
     case ForwardFamily::kRing:
       plan.ring_tiles = g.tpr < kBlockThreads;
-      plan.ring_chunk_bytes = ring_chunk_bytes(pr, g);
+      plan.ring_chunk_bytes = g.ring_chunk_bytes;
       plan.smem_bytes = kRingStages * 3 * plan.ring_chunk_bytes;
       break;
     // library-only {

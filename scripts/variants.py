@@ -18,27 +18,29 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-RING = "family = long_rows && !forward_family_unfit(pr, ForwardFamily::kRing)"
+RING = "if (ring_pays(pr, g) && !forward_unfit(pr, g, ForwardFamily::kRing)) {"
 CHUNK = "constexpr int kRingChunkBytes = 8192;"
 STAGES = "constexpr int kRingStages = 4;"
-UNROLL = "constexpr int kUnroll = K == NormKind::kOther ? 1 : 4;"
-ROWS_BLOCKS = "constexpr int kRowsMinBlocks = kTPR == 0 ? 2 : std::is_same<T, __half>::value ? 3 : 4;"
+UNROLL = "constexpr int kForwardUnrollElems = 16;"
+ROWS_BLOCKS = "constexpr int kRowsMinBlocksSm90 = 4;"
 SPLIT_BLOCKS = "constexpr int64_t kSplitBlocks = 512;"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
 PW_PACKS = "constexpr int kPointwisePacks = 2;"
+FOLD = "constexpr int kFoldPacks = 4;"
 
 VARIANTS = {
     "base": [],
-    "no_ring": [(RING, "family = false && long_rows")],  # register loads for long rows too
+    "no_ring": [(RING, RING.replace("if (ring_pays", "if (false && ring_pays"))],  # register loads
     "ring_chunk_4k": [(CHUNK, CHUNK.replace("8192", "4096"))],
     "ring_stages_6": [(STAGES, STAGES.replace("4", "6"))],
-    "fwd_unroll2": [(UNROLL, UNROLL.replace(": 4;", ": 2;"))],
-    "rows_3_blocks": [(ROWS_BLOCKS, ROWS_BLOCKS.replace("? 3 : 4;", "? 3 : 3;"))],
+    "fwd_unroll_8_elems": [(UNROLL, UNROLL.replace("16;", "8;"))],
+    "rows_3_blocks": [(ROWS_BLOCKS, ROWS_BLOCKS.replace("4;", "3;"))],
     "split_blocks1024": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "1024"))],
     "split_blocks256": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "256"))],
     "fill_512": [(FILL, FILL.replace("1024", "512"))],
     "bwd_pointwise_x1": [(PW_PACKS, PW_PACKS.replace("2;", "1;"))],
     "bwd_pointwise_x4": [(PW_PACKS, PW_PACKS.replace("2;", "4;"))],
+    "fold_every_pack": [(FOLD, FOLD.replace("4;", "1;"))],
 }
 
 

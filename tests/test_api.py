@@ -1,7 +1,9 @@
 """Semantics, argument handling and errors against torch; runs everywhere (CPU tensors)."""
 
 import math
+import os
 import re
+import sys
 import warnings
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fused_triplet as ft
-from conftest import rand_triplet, same_error
+from conftest import ROOT, rand_triplet, same_error
 
 P_VALUES = [2.0, 1.0, math.inf, -math.inf, 0.0, 3.0, 0.5, -1.5]
 
@@ -234,3 +236,12 @@ def test_hinge_probe_works_with_autograd_off(mode):
     expected = ft._hinge_passes_at_zero()
     with getattr(torch, mode)():
         assert ft._hinge_passes_at_zero() == expected
+
+
+def test_kernel_variants_edit_lines_that_exist():
+    """scripts/variants.py times kernel variants as text edits: each must find its line."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import variants
+    for name, edits in variants.VARIANTS.items():
+        for old, _ in edits:
+            assert any(old in text for text in ft.KERNEL_SOURCES.values()), (name, old)

@@ -11,7 +11,7 @@ import torch
 from torch.utils import cpp_extension
 
 import fused_triplet as ft
-from conftest import ROOT
+from conftest import ROOT, announce
 
 TOOLKIT, TOOLKIT_PROBLEM = ft._find_toolkit(cpp_extension)
 needs_nvcc = pytest.mark.skipif(
@@ -34,10 +34,8 @@ def build_log(build_env, tmp_path_factory, pytestconfig):
     succeed (torch's lock file serialises them). In subprocesses, since loading the library
     registers the fused_triplet op namespace, which a process can do only once. Their output
     goes to files: a full pipe would block the builder the other one waits for."""
-    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"tests/test_build.py: compiling the CUDA kernels with {TOOLKIT} "
-                            "(under a minute per architecture)...")
+    announce(pytestconfig, f"tests/test_build.py: compiling the CUDA kernels with {TOOLKIT} for "
+             f"{ft._target_archs()} ({ft.BUILD_TIME} per architecture on 2 cores)...")
     logs_dir = tmp_path_factory.mktemp("logs")
     builders = []
     for k in range(2):
@@ -94,7 +92,9 @@ def test_unwritable_extension_dir_is_a_clear_error(tmp_path):
 
 @needs_nvcc
 def test_cuda_module_compiles(build_log):
-    assert "compiling the CUDA kernels" in build_log  # the one-line notice of a first build
+    # the one-line notice of a first build: what, for which architectures, with which CUDA
+    assert re.search(r"fused_triplet: compiling its CUDA kernels for sm_\d+.* with CUDA \d+\.\d+ "
+                     r"\(about \d+ s, once", build_log)
     assert build_log.strip().splitlines()[-1].endswith(".so")  # --build prints the library
 
 
@@ -191,7 +191,41 @@ def test_kernelbench_file_builds_six_float32_kernels(build_env, tmp_path, pytest
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                        log)
     assert props and all(p == ("0", "0", "0") for p in props), props
-    reporter = pytestconfig.pluginmanager.getplugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"tests/test_build.py: the KernelBench file's first build took "
-                            f"{seconds:.1f} s ({env.get('TORCH_CUDA_ARCH_LIST', 'this GPU')})")
+    announce(pytestconfig, f"tests/test_build.py: the KernelBench file's first build took "
+             f"{seconds:.1f} s ({env.get('TORCH_CUDA_ARCH_LIST', 'this GPU')})")
+
+
+@needs_nvcc
+def test_first_build_says_one_line(tmp_path):
+    """A first build (not verbose) prints its one notice, nothing of torch's or ninja's."""
+    path = tmp_path / "model_new.py"
+    subprocess.run([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--export", str(path),
+                    "--kernelbench"], check=True, capture_output=True, timeout=120)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env.pop("FUSED_TRIPLET_PTXAS_VERBOSE", None)
+    if not torch.cuda.is_available():
+        env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    proc = subprocess.run([sys.executable, "-c", "import model_new; model_new.build()"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fused_triplet: compiling its CUDA kernels"), lines
+    assert proc.stdout == ""
+
+
+@needs_nvcc
+def test_build_command_without_a_gpu_or_arch_list_says_one_line(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: nothing to ask for")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CUDA_ARCH_LIST"}
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--build"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "TORCH_CUDA_ARCH_LIST" in proc.stderr
+
+
+def test_version():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--version"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"fused_triplet {ft.__version__}"
