@@ -454,7 +454,8 @@ def _kernelbench_takes(anchor: Tensor, positive: Tensor, negative: Tensor, p: fl
             and not swap and not grads)
 
 
-def _fused_shape(anchor: Tensor, positive: Tensor, negative: Tensor, p: float, swap: bool):
+def _fused_shape(anchor: Tensor, positive: Tensor, negative: Tensor, p: float,
+                 swap: bool = False):
     """The common shape the fused kernels would compute over, or None if they don't take these
     inputs (the torch path then computes them, or raises torch's own error)."""
     if not anchor.is_cuda:
