@@ -6,6 +6,7 @@
 // Fake kernels (shapes only, for torch.compile) are registered from fused_triplet.py. Lines
 // marked library-only are left out of the KernelBench file (its forward op alone, float32,
 // p = 2 without swap; fused_triplet.export).
+#include "check_text.h"
 #include "triplet_launch.h"
 
 #include <ATen/core/Tensor.h>
@@ -73,7 +74,7 @@ at::ScalarType acc_dtype(const at::Tensor& x) {
 void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
                   int64_t reduction) {
   TORCH_CHECK(reduction >= kNone && reduction <= kSum, "fused_triplet: unknown reduction ",
-              reduction);
+              number_text(reduction));
   TORCH_CHECK(a.is_cuda() && p.device() == a.device() && n.device() == a.device(),
               "fused_triplet: anchor, positive and negative must be on one CUDA device, got ",
               a.device(), ", ", p.device(), ", ", n.device());
@@ -87,7 +88,7 @@ void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
   TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
   TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
               "fused_triplet: anchor, positive and negative must have one shape (broadcast "
-              "them first), got ", a.sizes(), ", ", p.sizes(), ", ", n.sizes());
+              "them first), got ", shape_text(a), ", ", shape_text(p), ", ", shape_text(n));
   TORCH_CHECK(!(a.size(-1) == 0 && std::isinf(pnorm)),
               "linalg.vector_norm cannot compute the inf norm on an empty tensor because the "
               "operation does not have an identity");
@@ -362,14 +363,16 @@ void run_backward(const at::Tensor& grad, const at::Tensor& anchor, const at::Te
   TORCH_CHECK(dists.is_cuda() && dists.device() == anchor.device() &&
                   dists.scalar_type() == acc_dtype(anchor) && dists.dim() == 2 &&
                   dists.size(0) == (swap ? 3 : 2) && dists.size(1) == rows,
-              "fused_triplet: dists must be the forward's [", swap ? 3 : 2, ", ", rows, "] ",
+              "fused_triplet: dists must be the forward's [", swap ? "3" : "2", ", ",
+              number_text(rows), "] ",
               acc_dtype(anchor), " tensor on ", anchor.device());
   // The loss's dtype: the inputs', or float32 for 2-byte inputs under autocast.
   const bool float32_loss = two_byte(anchor.scalar_type()) && grad.scalar_type() == at::kFloat;
   TORCH_CHECK(grad.device() == anchor.device() &&
                   (grad.scalar_type() == anchor.scalar_type() || float32_loss) &&
                   grad.numel() == (reduction == kNone ? rows : 1),
-              "fused_triplet: the upstream gradient must be ", reduction == kNone ? rows : 1,
+              "fused_triplet: the upstream gradient must be ",
+              number_text(reduction == kNone ? rows : 1),
               " values of the loss's dtype (", anchor.scalar_type(),
               two_byte(anchor.scalar_type()) ? " or float32" : "", ") on ", anchor.device());
   if (rows == 0 || dim == 0) return;
