@@ -7,6 +7,7 @@
     python bench.py --sweep --backward --shapes 1024x128,4096x512 --json part1.json   # a part
     python bench.py --merge part1.json part2.json --json sweep.json --plot sweep.png   # no GPU
     python bench.py --loops --json results/h200_loops.json   # training loops (autocast, GradScaler, ...)
+    python bench.py --mining --json results/h200_mining.json   # in-batch mining vs cdist + masks
     python bench.py --readme-table        # README's speed tables, from results/
 
 Method: CUDA events around each call; contenders interleaved round by round with the L2 cache
@@ -243,6 +244,137 @@ def bench_loop(shape, name, rounds, warmup, margin=1.0):
     return rows
 
 
+# In-batch mining, fwd+bwd of the mean loss, labels 8 per class: (mining, batch, dim, dtype, the
+# formulation users write today, or None where only the fused loss fits or is asked for).
+MINING_CASES = [("batch_hard", 16384, 512, "fp32", "cdist + masks"),
+                ("batch_hard", 32768, 512, "bf16", "cdist + masks"),
+                ("batch_hard", 256, 2048, "fp32", "cdist + masks"),
+                ("batch_hard", 65536, 512, "bf16", None),
+                ("batch_all", 1024, 512, "fp32", "B x B x B"),
+                ("batch_all", 2048, 512, "fp32", "B x B x B"),
+                ("batch_all", 32768, 512, "fp32", None)]
+MINING_RESULTS = "results/h200_mining.json"
+
+
+def _cdist(e):
+    """torch.cdist, in float32 where it lacks the dtype (as users then write it)."""
+    try:
+        return torch.cdist(e, e)
+    except RuntimeError:
+        return torch.cdist(e.float(), e.float())
+
+
+def masks_batch_hard(e, labels, margin=1.0):
+    """Batch-hard as metric-learning code writes it: the B x B matrix, label masks, max / min."""
+    d = _cdist(e)
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(len(labels), dtype=torch.bool, device=e.device)
+    hardest_positive = d.masked_fill(~positive, 0).amax(1)
+    hardest_negative = d.masked_fill(same, float("inf")).amin(1)
+    valid = positive.any(1) & ~same.all(1)
+    losses = torch.relu(margin + hardest_positive - hardest_negative) * valid
+    return losses.sum() / valid.sum().clamp_min(1)
+
+
+def cube_batch_all(e, labels, margin=1.0):
+    """Batch-all as metric-learning code writes it: every (i, j, k) of a B x B x B tensor."""
+    d = _cdist(e)
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(len(labels), dtype=torch.bool, device=e.device)
+    triplets = positive[:, :, None] & ~same[:, None, :]
+    losses = torch.relu(margin + d[:, :, None] - d[:, None, :]) * triplets
+    return losses.sum() / (losses > 0).sum().clamp_min(1)
+
+
+def bench_mining(mining, batch, dim, dtype_name, baseline, rounds, warmup, margin=1.0):
+    """fwd+bwd of the mined mean loss, the baseline formulation against fused_triplet's; peak
+    extra memory is max_memory_allocated during one step beyond the embeddings."""
+    torch.manual_seed(0)
+    dtype = DTYPES[dtype_name]
+    e = torch.randn(batch, dim, device="cuda").to(dtype).requires_grad_()
+    labels = (torch.arange(batch, device="cuda") // 8)[torch.randperm(batch, device="cuda")]
+    fns = {"fused_triplet": lambda x, y: fused_triplet.mined_triplet_margin_loss(
+        x, y, mining, margin=margin)}
+    if baseline:
+        base = masks_batch_hard if mining == "batch_hard" else cube_batch_all
+        fns = {baseline: lambda x, y: base(x, y, margin), **fns}
+    steps, extra, results, failed = {}, {}, {}, {}
+    for name, fn in fns.items():
+        def step(x, y, fn=fn):
+            x.grad = None
+            loss = fn(x, y)
+            loss.backward()
+            return loss
+        try:
+            step(e, labels)
+            e.grad = None
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = step(e, labels)
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError:
+            failed[name] = "out of memory"
+            e.grad = None
+            torch.cuda.empty_cache()
+            continue
+        extra[name] = torch.cuda.max_memory_allocated() - before
+        results[name] = [loss.detach()]
+        steps[name] = step
+    times = time_interleaved(steps, (e, labels), rounds, warmup)
+    rows = []
+    for name in fns:
+        row = {"shape": [batch, dim], "dtype": str(dtype).replace("torch.", ""),
+               "mode": f"mined {mining}", "contender": name}
+        if name in failed:
+            row["failed"] = failed[name]
+        else:
+            row.update(median_ms=statistics.median(times[name]), min_ms=min(times[name]),
+                       extra_mib=extra[name] / 2**20, loss=results[name][0].item())
+        rows.append(row)
+    ours = rows[-1]
+    for row in rows:
+        if "median_ms" in row:
+            row["fused_speedup"] = row["median_ms"] / ours["median_ms"]
+            row["fused_memory_ratio"] = row["extra_mib"] / ours["extra_mib"]
+    return rows
+
+
+def print_mining_table(rows):
+    head = (f"{'mode':>18} {'shape':>11} {'dtype':>9} {'contender':>14} {'median ms':>10} "
+            f"{'fused x':>8} {'extra MiB':>10} {'memory x':>9} {'loss':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        shape = "x".join(str(v) for v in r["shape"])
+        if "failed" in r:
+            print(f"{r['mode']:>18} {shape:>11} {r['dtype']:>9} {r['contender']:>14} "
+                  f"{r['failed']:>10}")
+            continue
+        print(f"{r['mode']:>18} {shape:>11} {r['dtype']:>9} {r['contender']:>14} "
+              f"{r['median_ms']:>10.3f} {r['fused_speedup']:>7.2f}x {r['extra_mib']:>10.1f} "
+              f"{r['fused_memory_ratio']:>8.1f}x {r['loss']:>10.5f}")
+
+
+def readme_mining_table(rows):
+    """README's mining table: each case's fused step against the formulation users write, with
+    the extra memory each takes."""
+    lines = ["| mining | B x D | dtype | written as | its step | fused_triplet | its memory | "
+             "fused memory |", "|---|---|---|---|---:|---:|---:|---:|"]
+    for mode, shape, dtype in dict.fromkeys((r["mode"], tuple(r["shape"]), r["dtype"])
+                                            for r in rows):
+        case = [r for r in rows if (r["mode"], tuple(r["shape"]), r["dtype"]) == (mode, shape, dtype)]
+        fused, others = case[-1], case[:-1]
+        other = others[0] if others else None
+        step = ("-" if other is None else other.get("failed") or
+                f"{other['median_ms']:.2f} ms ({other['fused_speedup']:.1f}x)")
+        memory = "-" if other is None or "failed" in other else f"{other['extra_mib']:.0f} MiB"
+        lines.append(f"| {mode.removeprefix('mined ')} | {shape[0]} x {shape[1]} | {dtype} | "
+                     f"{other['contender'] if other else '-'} | {step} | "
+                     f"**{fused['median_ms']:.2f} ms** | {memory} | {fused['extra_mib']:.0f} MiB |")
+    return "\n".join(lines)
+
+
 def print_table(rows):
     head = (f"{'shape':>16} {'dtype':>8} {'contender':>14} {'median ms':>10} {'TB/s':>6} "
             f"{'% peak':>7} {'fused x':>8} {'max err':>9}")
@@ -385,6 +517,10 @@ def main(argv=None) -> int:
     parser.add_argument("--loops", action="store_true",
                         help="time training loops (" + ", ".join(LOOPS) + ") at "
                         + LOOP_SHAPES + " (or --shapes)")
+    parser.add_argument("--mining", action="store_true",
+                        help="time mined_triplet_margin_loss (fwd+bwd) against the formulations "
+                        "users write today: " + ", ".join(f"{m} {b}x{d} {t}"
+                                                         for m, b, d, t, _ in MINING_CASES))
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",
@@ -395,8 +531,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of effective TB/s per case "
                         "(needs matplotlib)")
     parser.add_argument("--readme-table", action="store_true",
-                        help=f"no timing: print README's speed tables from {RESULTS} and "
-                        f"{LOOP_RESULTS}")
+                        help=f"no timing: print README's speed tables from {RESULTS}, "
+                        f"{LOOP_RESULTS} and {MINING_RESULTS}")
     args = parser.parse_args(argv)
     if args.readme_table:
         with open(RESULTS) as f:
@@ -404,6 +540,9 @@ def main(argv=None) -> int:
         if os.path.exists(LOOP_RESULTS):
             with open(LOOP_RESULTS) as f:
                 print("\n" + readme_loops_table(json.load(f)["results"]))
+        if os.path.exists(MINING_RESULTS):
+            with open(MINING_RESULTS) as f:
+                print("\n" + readme_mining_table(json.load(f)["results"]))
         return 0
     if args.merge:
         return merge(args.merge, args.json, args.plot)
@@ -425,6 +564,18 @@ def main(argv=None) -> int:
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"{datetime.date.today()}; 'fused x' = contender time / fused_triplet time")
     fused_triplet.build()
+    if args.mining:
+        rows = []
+        for case in MINING_CASES:
+            _, batch, dim, _, _ = case
+            small = batch * batch * dim < 1 << 33  # well under a second per round: all rounds
+            rows += bench_mining(*case, rounds=args.rounds if small else min(args.rounds, 10),
+                                 warmup=args.warmup if small else min(args.warmup, 2))
+            torch.cuda.empty_cache()
+            print_mining_table(rows[-2:] if case[-1] else rows[-1:])
+        print_mining_table(rows)
+        write_json(args.json, props, rows)
+        return 0
     if args.loops:
         rows = []
         for shape in parse_shapes(args.shapes):

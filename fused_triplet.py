@@ -6,7 +6,8 @@ backward kernel reads them once more and writes the gradients. Eager PyTorch ins
 materialises `x1 - x2 + eps` (B x D) for each distance.
 
 Layout of this file: kernel sources -> build -> op registration -> torch path -> argument
-handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> command line.
+handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-batch mining
+(mined_triplet_margin_loss, MinedTripletMarginLoss) -> export -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
@@ -29,7 +30,8 @@ import torch
 from torch import Tensor
 
 __version__ = "0.1.0"
-__all__ = ["triplet_margin_loss", "TripletMarginLoss", "ModelNew", "build", "export"]
+__all__ = ["triplet_margin_loss", "TripletMarginLoss", "mined_triplet_margin_loss",
+           "MinedTripletMarginLoss", "ModelNew", "build", "export"]
 
 # ---------------------------------------------------------------------------------------------
 # Kernel sources: every file of kernels/, read at import: the .cu files (and the headers they
@@ -318,6 +320,32 @@ def _triplet_backward_fake(grad, anchor, positive, negative, dists, margin, p, e
                  for x, needed in zip((anchor, positive, negative), output_mask))
 
 
+def _mine_batch_hard_fake(embeddings, labels, eps):
+    batch = embeddings.shape[0]
+    return labels.new_empty(batch), labels.new_empty(batch), labels.new_empty(batch, dtype=torch.bool)
+
+
+def _batch_all_fake(embeddings, labels, margin, eps):
+    return embeddings.new_empty(embeddings.shape[0], dtype=torch.float32), labels.new_empty(
+        embeddings.shape[0])
+
+
+def _batch_all_backward_fake(grad, embeddings, labels, margin, eps):
+    return embeddings.new_empty(embeddings.shape)
+
+
+def _batch_all_setup(ctx, inputs, output):
+    embeddings, labels, ctx.margin, ctx.eps = inputs
+    ctx.save_for_backward(embeddings, labels)
+
+
+def _batch_all_backward(ctx, grad_loss, grad_active):
+    embeddings, labels = ctx.saved_tensors
+    grad = torch.ops.fused_triplet.batch_all_loss_backward(
+        grad_loss.float().contiguous(), embeddings, labels, ctx.margin, ctx.eps)
+    return grad, None, None, None
+
+
 _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once loaded
 
 
@@ -329,6 +357,12 @@ def _register_python_parts() -> None:
     if not KERNELBENCH:  # the KernelBench file has the forward op alone
         torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
             _triplet_backward_fake)
+        torch.library.register_fake("fused_triplet::mine_batch_hard")(_mine_batch_hard_fake)
+        torch.library.register_fake("fused_triplet::batch_all_loss")(_batch_all_fake)
+        torch.library.register_fake("fused_triplet::batch_all_loss_backward")(
+            _batch_all_backward_fake)
+        torch.library.register_autograd("fused_triplet::batch_all_loss", _batch_all_backward,
+                                        setup_context=_batch_all_setup)
 
 
 def _ops():
@@ -567,6 +601,185 @@ class ModelNew(torch.nn.Module):
 
     def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
         return triplet_margin_loss(anchor, positive, negative, margin=self.margin)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-batch mining: the triplets of a labelled batch, found inside it. The kernels (p = 2, 2-byte
+# and float32 embeddings on CUDA) mine one chunk of anchors at a time; everything else runs the
+# torch reference below, chunked too. Neither ever holds a batch x batch matrix.
+# ---------------------------------------------------------------------------------------------
+
+_MININGS = ("batch_hard", "batch_all")
+_MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
+
+
+def _check_mining_inputs(embeddings, labels, mining, margin, reduction) -> None:
+    name = "mined_triplet_margin_loss"
+    if not isinstance(embeddings, Tensor) or not isinstance(labels, Tensor):
+        raise TypeError(f"{name}: embeddings and labels must be tensors, got "
+                        f"{_type_name(embeddings)} and {_type_name(labels)}")
+    if mining not in _MININGS:
+        raise ValueError(f"{name}: mining must be 'batch_hard' or 'batch_all', got {mining!r}")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if not _is_float_arg(margin) or not margin > 0:
+        raise ValueError(f"{name}: margin must be a number greater than 0, got {margin!r}")
+    if embeddings.dim() != 2:
+        raise ValueError(f"{name}: expected embeddings of shape (batch, dim), got shape "
+                         f"{tuple(embeddings.shape)}")
+    if not embeddings.is_floating_point():
+        raise TypeError(f"{name}: expected floating-point embeddings, got {embeddings.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        raise ValueError(f"{name}: expected labels of shape ({embeddings.shape[0]},) for "
+                         f"{embeddings.shape[0]} embeddings, got shape {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"{name}: expected integer labels, got {labels.dtype}")
+    if labels.device != embeddings.device:
+        raise RuntimeError(f"{name}: embeddings and labels must be on one device, got "
+                           f"{embeddings.device} and {labels.device}")
+
+
+def _mining_takes(embeddings: Tensor, p: float) -> bool:
+    """Whether the mining kernels take these embeddings (else the torch reference runs)."""
+    return (embeddings.is_cuda and not KERNELBENCH and p == 2.0
+            and embeddings.dtype in _MINING_DTYPES and embeddings.numel() > 0)
+
+
+def _row_chunks(batch: int, per_row: int):
+    step = max(1, _REFERENCE_CHUNK_ELEMENTS // max(per_row, 1))
+    return [(start, min(start + step, batch)) for start in range(0, batch, step)]
+
+
+def _distances_from(x: Tensor, start: int, stop: int, p: float, eps: float) -> Tensor:
+    """torch's pairwise_distance of rows start:stop of x to every row: (stop - start, batch)."""
+    return _pairwise_distance(x[start:stop, None, :], x[None, :, :], p, eps)
+
+
+def _positive_mask(labels: Tensor, start: int, stop: int) -> tuple:
+    """(positives, negatives) of anchors start:stop as (rows, batch) masks."""
+    same = labels[start:stop, None] == labels[None, :]
+    anchors = torch.arange(start, stop, device=labels.device)
+    is_self = anchors[:, None] == torch.arange(labels.shape[0], device=labels.device)[None, :]
+    return same & ~is_self, ~same
+
+
+def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
+    """Per row, the first column of `mask` holding the row's largest (smallest) d; NaN is the
+    extreme, as torch's max and min propagate it."""
+    masked = d.masked_fill(~mask, -math.inf if largest else math.inf)
+    extreme = masked.amax(1, keepdim=True) if largest else masked.amin(1, keepdim=True)
+    hit = mask & ((masked == extreme) | (masked.isnan() & extreme.isnan()))
+    return hit.int().argmax(1)
+
+
+def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
+    """(positive, negative, valid) per anchor, from exact distances one chunk of anchors at a
+    time; the anchor itself where it has no positive or no negative."""
+    batch = x.shape[0]
+    positive = torch.empty(batch, dtype=torch.long, device=x.device)
+    negative = torch.empty_like(positive)
+    valid = torch.empty(batch, dtype=torch.bool, device=x.device)
+    with torch.no_grad():
+        for start, stop in _row_chunks(batch, batch * x.shape[1]):
+            d = _distances_from(x, start, stop, p, eps)
+            is_positive, is_negative = _positive_mask(labels, start, stop)
+            positive[start:stop] = _first_extreme(d, is_positive, largest=True)
+            negative[start:stop] = _first_extreme(d, is_negative, largest=False)
+            valid[start:stop] = is_positive.any(1) & is_negative.any(1)
+    anchors = torch.arange(batch, device=x.device)
+    return torch.where(valid, positive, anchors), torch.where(valid, negative, anchors), valid
+
+
+def _batch_all_rows(x: Tensor, labels: Tensor, start: int, stop: int, margin: float, p: float,
+                    eps: float) -> tuple:
+    """Anchors start:stop: each one's sum of relu(margin + d_ap - d_an) over its triplets, and
+    how many are > 0."""
+    d = _distances_from(x, start, stop, p, eps)
+    is_positive, is_negative = _positive_mask(labels, start, stop)
+    triplets = is_positive[:, :, None] & is_negative[:, None, :]
+    losses = torch.where(triplets, (margin + d[:, :, None] - d[:, None, :]).relu(), 0.0)
+    return losses.sum((1, 2)), (losses > 0).sum((1, 2))
+
+
+def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps: float) -> tuple:
+    """(loss, active) per anchor; each chunk is recomputed in the backward (checkpoint), so its
+    (rows, batch, batch) triplet tensor is never kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    parts = [checkpoint(_batch_all_rows, x, labels, start, stop, margin, p, eps,
+                        use_reentrant=False)
+             for start, stop in _row_chunks(x.shape[0], x.shape[0] * max(x.shape))]
+    if not parts:
+        return x.new_zeros(0), torch.zeros(0, dtype=torch.long, device=x.device)
+    return torch.cat([loss for loss, _ in parts]), torch.cat([count for _, count in parts])
+
+
+def mined_triplet_margin_loss(embeddings: Tensor, labels: Tensor, mining: str = "batch_hard",
+                              margin: float = 1.0, p: float = 2.0, eps: float = 1e-6,
+                              reduction: str = "mean") -> Tensor:
+    """Triplet margin loss over the triplets mined inside a labelled batch.
+
+    embeddings (B, D), labels (B,) of an integer dtype. d(i, j) is torch's pairwise_distance
+    (eps inside the norm); positives of anchor i: j != i with its label, negatives: other labels.
+    batch_hard: loss_i = max(margin + max_j d(i, j) - min_k d(i, k), 0) for anchors with both
+    ('mean' over them). batch_all: every (i, j, k), relu(margin + d(i, j) - d(i, k)); 'none' is
+    each anchor's sum, 'mean' the sum over the triplets > 0 (0 when none). The loss is float32
+    (float64 for float64 embeddings); gradients follow autograd of these formulas."""
+    _check_mining_inputs(embeddings, labels, mining, margin, reduction)
+    margin, p, eps = float(margin), float(p), float(eps)
+    losses, counted = _mined_losses(embeddings, labels.long(), mining, margin, p, eps,
+                                    fused=_mining_takes(embeddings, p))
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    return total if reduction == "sum" else total / counted.clamp_min(1)
+
+
+def _mined_losses(embeddings: Tensor, labels: Tensor, mining: str, margin: float, p: float,
+                  eps: float, fused: bool) -> tuple:
+    """(per-anchor losses, what 'mean' divides by) from the kernels (fused) or the reference;
+    the losses in float32 (float64 for float64 embeddings), differentiable."""
+    x = embeddings if embeddings.dtype == torch.float64 else embeddings.float()
+    if mining == "batch_all":
+        if fused:
+            losses, active = _ops().batch_all_loss(embeddings, labels, margin, eps)
+        else:
+            losses, active = _reference_batch_all(x, labels, margin, p, eps)
+        return losses, active.sum()
+    if fused:
+        with torch.no_grad():
+            positive, negative, valid = _ops().mine_batch_hard(embeddings.detach(), labels, eps)
+    else:
+        positive, negative, valid = _reference_batch_hard(x.detach(), labels, p, eps)
+    losses = triplet_margin_loss(x, x[positive], x[negative], margin=margin, p=p, eps=eps,
+                                 reduction="none")
+    return torch.where(valid, losses, 0.0), valid.sum()
+
+
+class MinedTripletMarginLoss(torch.nn.Module):
+    """mined_triplet_margin_loss as a module: forward(embeddings, labels)."""
+
+    def __init__(self, mining: str = "batch_hard", margin: float = 1.0, p: float = 2.0,
+                 eps: float = 1e-6, reduction: str = "mean") -> None:
+        super().__init__()
+        if mining not in _MININGS:
+            raise ValueError(
+                f"MinedTripletMarginLoss: mining must be 'batch_hard' or 'batch_all', got {mining!r}")
+        self.mining = mining
+        self.margin = margin
+        self.p = p
+        self.eps = eps
+        self.reduction = reduction
+
+    def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        return mined_triplet_margin_loss(embeddings, labels, mining=self.mining,
+                                         margin=self.margin, p=self.p, eps=self.eps,
+                                         reduction=self.reduction)
+
+    def extra_repr(self) -> str:
+        return (f"mining={self.mining!r}, margin={self.margin}, p={self.p}, eps={self.eps}, "
+                f"reduction={self.reduction!r}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -208,8 +208,9 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
     assert '#include "' not in cuda + cpp
     kernels = sorted(re.findall(r"__global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", cuda))
     assert kernels == ["backward_check_kernel", "backward_pointwise_kernel",
-                       "backward_rows_kernel", "forward_finish_kernel", "forward_one_pass_kernel",
-                       "forward_ring_kernel", "forward_rows_kernel"], kernels
+                       "backward_rows_kernel", "batch_all_kernel", "distances_kernel",
+                       "forward_finish_kernel", "forward_one_pass_kernel", "forward_ring_kernel",
+                       "forward_rows_kernel", "hardest_kernel"], kernels
 
 
 def test_build_is_marked_constant_as_torch_compile_marks_it():

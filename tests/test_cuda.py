@@ -352,6 +352,27 @@ def test_raw_ops_take_exactly_the_kernels_dtypes():
     assert tried > 10
 
 
+def test_raw_ops_raise_on_sizes_they_do_not_take():
+    """Shapes, dists and upstream gradients of the wrong size raise a RuntimeError (with the sizes
+    in the message) before a launch, never take the process down."""
+    ops = ft._ops()
+    a, p, n = (torch.rand(8, 4, device=DEV) for _ in range(3))
+    dists = torch.rand(2, 8, device=DEV)
+    calls = {
+        "one shape": lambda: ops.triplet_margin_loss(a, p[:-1], n, 1.0, 2.0, 1e-6, False, 1),
+        "unknown reduction": lambda: ops.triplet_margin_loss(a, p, n, 1.0, 2.0, 1e-6, False, 7),
+        "dists": lambda: ops.triplet_margin_loss_backward(
+            torch.ones((), device=DEV), a, p, n, dists[:, :-1], 1.0, 2.0, 1e-6, False, 1, True,
+            [True, True, True]),
+        "upstream gradient": lambda: ops.triplet_margin_loss_backward(
+            torch.ones(3, device=DEV), a, p, n, dists, 1.0, 2.0, 1e-6, False, 0, True,
+            [True, True, True]),
+    }
+    for words, call in calls.items():
+        with pytest.raises(RuntimeError, match=words):
+            call()
+
+
 def test_requires_grad_gradients_match_torch():
     a, p, n = (x.requires_grad_() for x in rand_triplet((16, 300), device=DEV, seed=21))
     ours = torch.autograd.grad(ft.triplet_margin_loss(a, p, n, swap=True), (a, p, n))

@@ -1,0 +1,361 @@
+"""mined_triplet_margin_loss: the torch reference against brute force and pytorch-metric-learning
+(everywhere), the kernels against the reference (on a GPU)."""
+import itertools
+
+import pytest
+import torch
+
+import fused_triplet as ft
+from conftest import assert_as_accurate_as_torch, requires_cuda
+
+MININGS = ("batch_hard", "batch_all")
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def labelled_batch(batch, dim, classes, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, dim, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, classes, (batch,), generator=g)
+    return x.to(device=device, dtype=dtype), labels.to(device)
+
+
+def brute_force(x, labels, mining, margin, p, eps, reduction):
+    """The definitions, one anchor and triplet at a time, in float64."""
+    x = x.double()
+    d = lambda i, j: torch.linalg.vector_norm(x[i] - x[j] + eps, p)  # noqa: E731
+    batch = x.shape[0]
+    per_anchor, counted = [], 0
+    for i in range(batch):
+        pos = [j for j in range(batch) if j != i and labels[j] == labels[i]]
+        neg = [k for k in range(batch) if labels[k] != labels[i]]
+        if mining == "batch_hard":
+            if pos and neg:
+                hardest = max(d(i, j) for j in pos) - min(d(i, k) for k in neg)
+                per_anchor.append(torch.relu(margin + hardest))
+                counted += 1
+            else:
+                per_anchor.append(torch.zeros((), dtype=torch.float64))
+        else:
+            terms = [torch.relu(margin + d(i, j) - d(i, k)) for j in pos for k in neg]
+            per_anchor.append(sum(terms, torch.zeros((), dtype=torch.float64)))
+            counted += sum(int(t > 0) for t in terms)
+    losses = torch.stack(per_anchor) if per_anchor else torch.zeros(0, dtype=torch.float64)
+    if reduction == "none":
+        return losses
+    return losses.sum() if reduction == "sum" else losses.sum() / max(counted, 1)
+
+
+# ---- the reference, everywhere ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mining,reduction,p", list(itertools.product(MININGS, REDUCTIONS, (1.0, 2.0))))
+@pytest.mark.parametrize("batch,dim,classes", [(12, 5, 3), (9, 7, 2), (10, 3, 10), (6, 4, 1),
+                                                (1, 3, 1), (15, 1, 4)])
+def test_reference_matches_the_definitions(mining, reduction, p, batch, dim, classes):
+    x, labels = labelled_batch(batch, dim, classes, seed=batch + dim)
+    ours = ft.mined_triplet_margin_loss(x, labels, mining, margin=0.7, p=p, eps=1e-6,
+                                        reduction=reduction)
+    want = brute_force(x, labels, mining, 0.7, p, 1e-6, reduction)
+    assert ours.dtype == torch.float64
+    torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)
+
+
+def test_uneven_classes_and_lonely_anchors():
+    # class 0 has one member (no positive), class 3 has most of the batch
+    labels = torch.tensor([0, 3, 3, 3, 3, 3, 1, 1, 3, 2, 2, 3])
+    x, _ = labelled_batch(12, 6, 4, seed=3)
+    for mining in MININGS:
+        per_anchor = ft.mined_triplet_margin_loss(x, labels, mining, reduction="none")
+        torch.testing.assert_close(per_anchor, brute_force(x, labels, mining, 1.0, 2.0, 1e-6,
+                                                           "none"))
+        assert per_anchor[0] == 0
+
+
+def test_single_class_and_empty_batch_give_zero():
+    x, _ = labelled_batch(8, 4, 1)
+    for mining, reduction in itertools.product(MININGS, ("mean", "sum")):
+        assert ft.mined_triplet_margin_loss(x, torch.zeros(8, dtype=torch.long), mining,
+                                            reduction=reduction) == 0
+        empty = ft.mined_triplet_margin_loss(x[:0], torch.zeros(0, dtype=torch.long), mining,
+                                             reduction=reduction)
+        assert empty == 0
+    assert ft.mined_triplet_margin_loss(x[:0], torch.zeros(0, dtype=torch.long),
+                                        reduction="none").shape == (0,)
+
+
+def test_ties_choose_the_first_index():
+    # rows 1 and 2 are one point: the hardest positive of anchor 0 is row 1, never row 2
+    x = torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 0.0], [3.0, 0.0], [3.0, 0.0]],
+                     dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 0, 0, 1, 1])
+    loss = ft.mined_triplet_margin_loss(x, labels, "batch_hard", margin=5.0, reduction="sum")
+    loss.backward()
+    assert x.grad[2].abs().sum() < x.grad[1].abs().sum()
+    positive, negative, valid = ft._reference_batch_hard(x.detach(), labels, 2.0, 1e-6)
+    assert positive[0] == 1 and negative[0] == 3 and valid.all()
+
+
+@pytest.mark.parametrize("mining", MININGS)
+def test_reference_chunks_give_the_same_result(mining, monkeypatch):
+    x, labels = labelled_batch(20, 6, 4, seed=5)
+    whole = ft.mined_triplet_margin_loss(x, labels, mining, reduction="none")
+    monkeypatch.setattr(ft, "_REFERENCE_CHUNK_ELEMENTS", 50)  # one or two anchors per chunk
+    torch.testing.assert_close(ft.mined_triplet_margin_loss(x, labels, mining, reduction="none"),
+                               whole, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mining,reduction", list(itertools.product(MININGS, REDUCTIONS)))
+def test_gradcheck_float64(mining, reduction):
+    x, labels = labelled_batch(10, 4, 3, seed=7)
+    x.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda e: ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5,
+                                               reduction=reduction), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reduced_precision_embeddings_give_a_float32_loss(dtype):
+    x, labels = labelled_batch(12, 8, 3, dtype=dtype, seed=1)
+    x.requires_grad_(True)
+    for mining in MININGS:
+        loss = ft.mined_triplet_margin_loss(x, labels, mining)
+        assert loss.dtype == torch.float32
+        want = brute_force(x.detach(), labels, mining, 1.0, 2.0, 1e-6, "mean")
+        torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+        (grad,) = torch.autograd.grad(loss, x)
+        assert grad.dtype == dtype
+
+
+def test_labels_of_any_integer_dtype():
+    x, labels = labelled_batch(12, 5, 3, seed=2)
+    want = ft.mined_triplet_margin_loss(x, labels)
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        torch.testing.assert_close(ft.mined_triplet_margin_loss(x, labels.to(dtype)), want)
+
+
+def test_module():
+    x, labels = labelled_batch(12, 5, 3, seed=4)
+    module = ft.MinedTripletMarginLoss("batch_all", margin=0.3, reduction="sum")
+    assert repr(module) == ("MinedTripletMarginLoss(mining='batch_all', margin=0.3, p=2.0, "
+                            "eps=1e-06, reduction='sum')")
+    torch.testing.assert_close(module(x, labels), ft.mined_triplet_margin_loss(
+        x, labels, "batch_all", margin=0.3, reduction="sum"))
+    with pytest.raises(ValueError, match="mining must be"):
+        ft.MinedTripletMarginLoss("semi_hard")
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y[:-1]), ValueError, "labels of shape"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y.double()), TypeError, "integer labels"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x[0], y), ValueError, r"shape \(batch, dim\)"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x[None], y), ValueError, r"shape \(batch, dim\)"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y, "semi_hard"), ValueError, "mining must"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y, reduction="avg"), ValueError, "reduction"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y, margin=0.0), ValueError, "margin"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x.long(), y), TypeError, "floating-point"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y.to("meta")), RuntimeError, "one device"),
+])
+def test_bad_input_raises_before_any_work(call, error, match):
+    x, labels = labelled_batch(8, 4, 2)
+    with pytest.raises(error, match=match):
+        call(x, labels)
+
+
+# ---- pytorch-metric-learning, where its definitions meet ours ----------------------------------
+
+def _pml():
+    return pytest.importorskip(
+        "pytorch_metric_learning",
+        reason="pytorch-metric-learning is not installed (pip install -e .[test]): the oracle "
+               "comparison is skipped")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_hard_matches_pytorch_metric_learning(seed):
+    _pml()
+    from pytorch_metric_learning import distances, losses, miners, reducers
+
+    x, labels = labelled_batch(48, 16, 6, seed=seed)
+    distance = distances.LpDistance(normalize_embeddings=False, p=2, power=1)
+    miner = miners.BatchHardMiner(distance=distance)
+    loss_fn = losses.TripletMarginLoss(margin=0.2, distance=distance,
+                                       reducer=reducers.MeanReducer())
+    want = loss_fn(x, labels, miner(x, labels))
+    ours = ft.mined_triplet_margin_loss(x, labels, "batch_hard", margin=0.2, eps=0.0)
+    torch.testing.assert_close(ours, want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_all_matches_pytorch_metric_learning(seed):
+    _pml()
+    from pytorch_metric_learning import distances, losses, reducers
+
+    x, labels = labelled_batch(32, 8, 4, seed=seed)
+    loss_fn = losses.TripletMarginLoss(
+        margin=0.5, distance=distances.LpDistance(normalize_embeddings=False, p=2, power=1),
+        reducer=reducers.AvgNonZeroReducer())
+    want = loss_fn(x, labels)
+    ours = ft.mined_triplet_margin_loss(x, labels, "batch_all", margin=0.5, eps=0.0)
+    torch.testing.assert_close(ours, want, rtol=1e-9, atol=1e-9)
+
+
+# ---- the kernels, on a GPU ---------------------------------------------------------------------
+
+def reference_loss(x, labels, mining, margin, reduction):
+    """The torch reference on x's values as a leaf of x's dtype, (float32 for 2-byte x): the
+    loss and the leaf."""
+    leaf = x.detach().clone().requires_grad_(True)
+    losses, counted = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6, fused=False)
+    if reduction == "none":
+        return losses, leaf
+    return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
+
+
+@requires_cuda
+@pytest.mark.parametrize("mining,reduction", list(itertools.product(MININGS, REDUCTIONS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,dim,classes", [(64, 32, 8), (257, 33, 20), (300, 7, 2),
+                                                (40, 128, 1), (1, 16, 1)])
+def test_kernels_match_the_reference(mining, reduction, dtype, batch, dim, classes):
+    # Against float64, at least as close as torch's reference in float32 (or a few ulps of the
+    # result), for the loss and for the gradient of a different weight per anchor.
+    x, labels = labelled_batch(batch, dim, classes, dtype=dtype, device="cuda", seed=batch)
+    x.requires_grad_(True)
+    loss = ft.mined_triplet_margin_loss(x, labels, mining, margin=0.5, reduction=reduction)
+    torch_loss, torch_leaf = reference_loss(x.float() if dtype != torch.float32 else x, labels,
+                                            mining, 0.5, reduction)
+    exact, exact_leaf = reference_loss(x.double(), labels, mining, 0.5, reduction)
+    assert loss.dtype == torch.float32
+    assert_as_accurate_as_torch(loss, torch_loss, exact, scale=1 + exact.detach().abs().max())
+    weights = torch.rand_like(exact.detach())
+    (grad,) = torch.autograd.grad((loss * weights.float()).sum(), x)
+    (torch_grad,) = torch.autograd.grad((torch_loss * weights.float()).sum(), torch_leaf)
+    (exact_grad,) = torch.autograd.grad((exact * weights).sum(), exact_leaf)
+    assert grad.dtype == dtype
+    # 2-byte inputs: both round the float32 gradient once, to within one ulp of each other
+    torch_grad = torch_grad.to(dtype)
+    assert_as_accurate_as_torch(grad, torch_grad, exact_grad,
+                                scale=1 + exact_grad.abs().max(),
+                                floor=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("offset,spread", [(0.0, 1.0), (1e3, 1e-2), (0.0, 1e-4)])
+def test_batch_hard_mines_the_true_extremes(offset, spread):
+    # Far from the origin, close together, or both: the Gram products' candidates must still be
+    # decided by the exact distance.
+    g = torch.Generator().manual_seed(11)
+    x = (offset + spread * torch.randn(512, 64, generator=g, dtype=torch.float64)).float().double()
+    labels = torch.randint(0, 16, (512,), generator=g)
+    want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
+    got = ft._ops().mine_batch_hard(x.float().cuda(), labels.cuda(), 1e-6)
+    for ours, theirs in zip(got, want):
+        assert torch.equal(ours.cpu(), theirs)
+
+
+@requires_cuda
+def test_batch_hard_ties_and_duplicates():
+    x = torch.randn(16, 8, device="cuda").repeat(4, 1)  # every row four times
+    labels = torch.arange(16, device="cuda").repeat(4) % 5
+    positive, negative, valid = ft._ops().mine_batch_hard(x, labels, 1e-6)
+    want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
+    assert torch.equal(positive, want[0]) and torch.equal(negative, want[1])
+    assert torch.equal(valid, want[2])
+
+
+@requires_cuda
+@pytest.mark.parametrize("mining", MININGS)
+def test_kernels_are_deterministic(mining):
+    x, labels = labelled_batch(1000, 64, 50, dtype=torch.float32, device="cuda", seed=9)
+    results = []
+    for _ in range(2):
+        e = x.clone().requires_grad_(True)
+        loss = ft.mined_triplet_margin_loss(e, labels, mining)
+        loss.backward()
+        results.append((loss, e.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@requires_cuda
+def test_several_chunks_of_anchors():
+    # 9000 anchors: two chunks of the kernels' 2^26-float buffer; the reference on a few anchors
+    x, labels = labelled_batch(9000, 16, 1000, dtype=torch.float32, device="cuda", seed=13)
+    hard = ft._ops().mine_batch_hard(x, labels, 1e-6)
+    want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
+    for ours, theirs in zip(hard, want):
+        assert torch.equal(ours, theirs)
+    losses, active = ft._ops().batch_all_loss(x, labels, 0.5, 1e-6)
+    for start, stop in ((0, 20), (7440, 7480), (8980, 9000)):
+        want_loss, want_active = ft._batch_all_rows(x.double(), labels, start, stop, 0.5, 2.0, 1e-6)
+        torch.testing.assert_close(losses[start:stop].double(), want_loss, rtol=1e-5, atol=1e-5)
+        assert torch.equal(active[start:stop], want_active)
+
+
+@requires_cuda
+def test_ops_opcheck():
+    x, labels = labelled_batch(40, 16, 5, dtype=torch.float32, device="cuda")
+    ops = torch.ops.fused_triplet
+    ft.build()
+    torch.library.opcheck(ops.mine_batch_hard, (x, labels, 1e-6))
+    torch.library.opcheck(ops.batch_all_loss, (x.requires_grad_(True), labels, 0.5, 1e-6))
+    grad = torch.rand(40, device="cuda")
+    torch.library.opcheck(ops.batch_all_loss_backward, (grad, x.detach(), labels, 0.5, 1e-6))
+
+
+@requires_cuda
+@pytest.mark.parametrize("mining", MININGS)
+def test_under_torch_compile(mining):
+    x, labels = labelled_batch(128, 32, 8, dtype=torch.float32, device="cuda", seed=3)
+    compiled = torch.compile(lambda e, y: ft.mined_triplet_margin_loss(e, y, mining))
+    e1, e2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager = ft.mined_triplet_margin_loss(e1, labels, mining)
+    got = compiled(e2, labels)
+    torch.testing.assert_close(got, eager)
+    eager.backward()
+    got.backward()
+    torch.testing.assert_close(e2.grad, e1.grad)
+
+
+@requires_cuda
+def test_under_autocast_the_loss_stays_float32():
+    x, labels = labelled_batch(64, 32, 8, dtype=torch.float16, device="cuda")
+    with torch.autocast("cuda", torch.float16):
+        for mining in MININGS:
+            assert ft.mined_triplet_margin_loss(x, labels, mining).dtype == torch.float32
+
+
+@requires_cuda
+def test_raw_ops_refuse_what_the_kernels_do_not_take():
+    x, labels = labelled_batch(8, 4, 2, dtype=torch.float32, device="cuda")
+    ops = torch.ops.fused_triplet
+    ft.build()
+    bad = [
+        lambda: ops.mine_batch_hard(x.double(), labels, 1e-6),
+        lambda: ops.mine_batch_hard(x, labels.int(), 1e-6),
+        lambda: ops.mine_batch_hard(x, labels[:-1], 1e-6),
+        lambda: ops.mine_batch_hard(x[0], labels, 1e-6),
+        lambda: ops.mine_batch_hard(x, labels.cpu(), 1e-6),
+        lambda: ops.batch_all_loss(x.to(torch.float8_e4m3fn), labels, 0.5, 1e-6),
+        lambda: ops.batch_all_loss_backward(torch.ones(8, device="cuda").half(), x, labels, 0.5,
+                                            1e-6),
+        lambda: ops.batch_all_loss_backward(torch.ones(7, device="cuda"), x, labels, 0.5, 1e-6),
+    ]
+    for call in bad:
+        with pytest.raises(RuntimeError, match="fused_triplet mining"):
+            call()
+
+
+@requires_cuda
+def test_other_p_and_float64_take_the_reference_on_the_gpu():
+    x, labels = labelled_batch(50, 8, 5, device="cuda")
+    for mining, p in itertools.product(MININGS, (1.0, 2.0)):
+        got = ft.mined_triplet_margin_loss(x, labels, mining, p=p)
+        want = brute_force(x.cpu(), labels.cpu(), mining, 1.0, p, 1e-6, "mean")
+        torch.testing.assert_close(got.cpu(), want)
+
+
+@requires_cuda
+def test_devices_that_differ():
+    x, labels = labelled_batch(8, 4, 2, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="one device"):
+        ft.mined_triplet_margin_loss(x, labels.cpu())
+
