@@ -1,6 +1,6 @@
 // library-only {
 // In-batch mining for mined_triplet_margin_loss (p = 2) on float embeddings (2-byte ones cast
-// exactly first), one chunk of anchors at a time; a block or a few warps scan one anchor's row of
+// exactly first), one chunk of anchors at a time; a block scans one anchor's row of
 // the chunk. No atomics: the same inputs give the same bits.
 //   hardest_kernel    batch_hard: from the bfloat16 Gram matrix's approximate squared distances
 //                     and their error bounds, the candidates that can be the hardest positive or
@@ -20,11 +20,7 @@ namespace fused_triplet {
 // A chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram products stay large
 // enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
-constexpr int kRowThreads = 256;  // batch_all: 8 warps per anchor row, loads in flight across it
-// batch_hard: 1, 2, 4 or 8 warps per anchor row (the rows of a block share each stage of
-// candidates' stats), the fewest that give every multiprocessor the 4 blocks it holds (the
-// kernel is built for 4): a warp alone per row left most of them idle once a chunk had few rows.
-constexpr int kHardestBlocksPerSm = 4;
+constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
 constexpr int kTile = 64;         // distances: 64 x 64 pairs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
@@ -36,18 +32,12 @@ constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass ov
 constexpr float kGramRoundingBound = 1.0f / 128;
 constexpr float kGramPerElementBound = 1.0f / (1 << 20);
 
-MiningPlan plan_mining(int64_t batch, int64_t dim, int sm_count) {
+MiningPlan plan_mining(int64_t batch, int64_t dim) {
   MiningPlan plan;
   plan.gram_bound = kGramRoundingBound + float(dim + 16) * kGramPerElementBound;
   plan.chunk_rows = std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1), 1,
                                         std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
-  plan.hardest_row_warps = 1;
-  while (plan.hardest_row_warps < kRowThreads / 32 &&
-         plan.chunk_rows * plan.hardest_row_warps <
-             int64_t(kHardestBlocksPerSm) * sm_count * (kRowThreads / 32)) {
-    plan.hardest_row_warps *= 2;
-  }
   plan.tile = kTile;
   return plan;
 }
@@ -96,104 +86,86 @@ __device__ __forceinline__ float warp_min(float x) {
   return x;
 }
 
-// Each anchor row by `row_warps` warps, each a slice of every stage of candidates (their stats
-// staged in shared memory once for the block's rows), in two passes over the row. First the
-// bounds: a lower bound of the row's largest positive squared distance, an upper bound of its
-// smallest negative one. Then every candidate whose own bounds can still beat them gets its
-// exact distance from the whole warp: the true extreme always can, so it is always decided
-// exactly (NaN approximations always are). The row's warps then combine their picks.
-__global__ void __launch_bounds__(kRowThreads, kHardestBlocksPerSm)
-    hardest_kernel(MiningChunk chunk, int row_warps, const float* gram, const float4* bounds,
-                   int64_t* positive, int64_t* negative, bool* valid) {
-  constexpr int kSteps = kRowThreads / 32;  // warp steps of 32 candidates per stage
-  __shared__ float2 staged_bounds[kRowThreads];
-  __shared__ int64_t staged_ids[kRowThreads];
-  __shared__ float warp_floors[kSteps], warp_ceilings[kSteps];
-  __shared__ Pick warp_positives[kSteps], warp_negatives[kSteps];
-  __shared__ int warp_has[kSteps];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, slice = warp % row_warps;
-  const int first_warp = warp - slice;  // of this row
-  const int64_t row = int64_t(blockIdx.x) * (kSteps / row_warps) + warp / row_warps;
-  const int64_t batch = chunk.batch;
-  const bool has_row = row < chunk.rows;
-  const int64_t anchor = chunk.first + (has_row ? row : 0);
+// One block per anchor row, in two passes over it. First the bounds (thread t takes candidates
+// t, t + 256, ...): a lower bound of the row's largest positive squared distance, an upper bound
+// of its smallest negative one. Then each warp takes 32 consecutive candidates at a time, and
+// every one whose own bounds can still beat the row's gets its exact distance from the whole
+// warp: the true extreme always can, so it is always decided exactly (NaN approximations always
+// are). The warps then combine their picks.
+__global__ void __launch_bounds__(kRowThreads)
+    hardest_kernel(MiningChunk chunk, const float* gram, const float4* bounds, int64_t* positive,
+                   int64_t* negative, bool* valid) {
+  constexpr int kWarps = kRowThreads / 32;
+  __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
+  __shared__ int warp_has[kWarps];
+  __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row = blockIdx.x, anchor = chunk.first + row, batch = chunk.batch;
   const float* embeddings = chunk.embeddings;
   const float* anchor_row = embeddings + anchor * chunk.dim;
-  const float* gram_row = gram + (has_row ? row : 0) * batch;
+  const float* gram_row = gram + row * batch;
+  const float2* candidate_terms = reinterpret_cast<const float2*>(bounds);  // [2 c]: .x, .y of c
   const float4 me = bounds[anchor];  // .z, .w: this row's anchor terms
   const int64_t my_id = chunk.ids[anchor];
-  const float eps = chunk.eps;
   float floor = -INFINITY, ceiling = INFINITY;
   int has = 0;  // bit 0: a positive, bit 1: a negative
-  Pick best_positive{0.f, -1}, best_negative{0.f, -1};
-#pragma unroll 1
-  for (int sweep = 0; sweep < 2; ++sweep) {
-    for (int64_t first = 0; first < batch; first += kRowThreads) {
-      __syncthreads();  // the last stage is read
-      if (first + threadIdx.x < batch) {
-        const float4 b = bounds[first + threadIdx.x];
-        staged_bounds[threadIdx.x] = make_float2(b.x, b.y);
-        staged_ids[threadIdx.x] = chunk.ids[first + threadIdx.x];
-      }
-      __syncthreads();
-      if (!has_row) continue;
-      for (int k = 0; k < kSteps; ++k) {
-        const int step = slice + k * row_warps;
-        const int j = step * 32 + lane;
-        const int64_t c = first + j;
-        bool is_positive = false, is_negative = false;
-        float lower = 0.f, upper = 0.f;  // bounds of the squared distance to candidate c
-        if (step < kSteps && c < batch && c != anchor) {
-          const float minus_two_gram = -2.f * gram_row[c];
-          const float2 b = staged_bounds[j];
-          lower = me.z + (b.x + minus_two_gram);
-          upper = me.w + (b.y + minus_two_gram);
-          is_positive = staged_ids[j] == my_id;
-          is_negative = !is_positive;
-        }
-        if (sweep == 0) {
-          if (is_positive) floor = fmaxf(floor, lower);
-          if (is_negative) ceiling = fminf(ceiling, upper);
-          has |= (is_positive ? 1 : 0) | (is_negative ? 2 : 0);
-        } else if (step < kSteps) {
-          const bool nan = lower != lower || upper != upper;
-          const unsigned positives =
-              __ballot_sync(0xffffffffu, is_positive && (nan || upper >= floor));
-          unsigned candidates =
-              positives | __ballot_sync(0xffffffffu, is_negative && (nan || lower <= ceiling));
-          while (candidates != 0) {
-            const int bit = __ffs(candidates) - 1;
-            candidates &= candidates - 1;
-            const int64_t column = first + step * 32 + bit;
-            const Pick exact{exact_sq_distance(anchor_row, embeddings + column * chunk.dim,
-                                               chunk.dim, eps, lane),
-                             column};
-            if ((positives >> bit) & 1u) {
-              if (beats<true>(exact, best_positive)) best_positive = exact;
-            } else if (beats<false>(exact, best_negative)) {
-              best_negative = exact;
-            }
-          }
-        }
-      }
+  for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
+    if (c == anchor) continue;
+    const float minus_two_gram = -2.f * gram_row[c];
+    const float2 b = candidate_terms[2 * c];
+    if (chunk.ids[c] == my_id) {
+      has |= 1;
+      floor = fmaxf(floor, me.z + (b.x + minus_two_gram));
+    } else {
+      has |= 2;
+      ceiling = fminf(ceiling, me.w + (b.y + minus_two_gram));
     }
-    if (sweep == 1) break;
-    // The row's bounds: over its lanes, then its warps.
-    floor = warp_max(floor);
-    ceiling = warp_min(ceiling);
-    for (int offset = 16; offset > 0; offset >>= 1) has |= __shfl_xor_sync(0xffffffffu, has, offset);
-    if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling, warp_has[warp] = has;
-    __syncthreads();
-    for (int w = first_warp; w < first_warp + row_warps; ++w) {
-      floor = fmaxf(floor, warp_floors[w]);
-      ceiling = fminf(ceiling, warp_ceilings[w]);
-      has |= warp_has[w];
+  }
+  floor = warp_max(floor);
+  ceiling = warp_min(ceiling);
+  for (int offset = 16; offset > 0; offset >>= 1) has |= __shfl_xor_sync(0xffffffffu, has, offset);
+  if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling, warp_has[warp] = has;
+  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) {
+    floor = fmaxf(floor, warp_floors[w]);
+    ceiling = fminf(ceiling, warp_ceilings[w]);
+    has |= warp_has[w];
+  }
+  Pick best_positive{0.f, -1}, best_negative{0.f, -1};
+  for (int64_t first = int64_t(warp) * 32; first < batch; first += kRowThreads) {
+    const int64_t c = first + lane;
+    bool is_positive = false, is_negative = false;
+    float lower = 0.f, upper = 0.f;  // bounds of the squared distance to candidate c
+    if (c < batch && c != anchor) {
+      const float minus_two_gram = -2.f * gram_row[c];
+      const float2 b = candidate_terms[2 * c];
+      lower = me.z + (b.x + minus_two_gram);
+      upper = me.w + (b.y + minus_two_gram);
+      is_positive = chunk.ids[c] == my_id;
+      is_negative = !is_positive;
+    }
+    const bool nan = lower != lower || upper != upper;
+    const unsigned positives = __ballot_sync(0xffffffffu, is_positive && (nan || upper >= floor));
+    unsigned candidates =
+        positives | __ballot_sync(0xffffffffu, is_negative && (nan || lower <= ceiling));
+    while (candidates != 0) {
+      const int bit = __ffs(candidates) - 1;
+      candidates &= candidates - 1;
+      const int64_t column = first + bit;
+      const Pick exact{exact_sq_distance(anchor_row, embeddings + column * chunk.dim, chunk.dim,
+                                         chunk.eps, lane),
+                       column};
+      if ((positives >> bit) & 1u) {
+        if (beats<true>(exact, best_positive)) best_positive = exact;
+      } else if (beats<false>(exact, best_negative)) {
+        best_negative = exact;
+      }
     }
   }
   if (lane == 0) warp_positives[warp] = best_positive, warp_negatives[warp] = best_negative;
   __syncthreads();
-  if (!has_row || slice != 0 || lane != 0) return;
-  for (int w = warp + 1; w < warp + row_warps; ++w) {
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kWarps; ++w) {
     if (beats<true>(warp_positives[w], best_positive)) best_positive = warp_positives[w];
     if (beats<false>(warp_negatives[w], best_negative)) best_negative = warp_negatives[w];
   }
@@ -358,11 +330,8 @@ __global__ void __launch_bounds__(kRowThreads)
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
                            const float* bounds, int64_t* positive, int64_t* negative, bool* valid,
                            cudaStream_t stream) {
-  const int64_t rows_per_block = kRowThreads / 32 / plan.hardest_row_warps;
-  const int64_t blocks = (chunk.rows + rows_per_block - 1) / rows_per_block;
-  hardest_kernel<<<blocks, kRowThreads, 0, stream>>>(chunk, plan.hardest_row_warps, gram,
-                                                     reinterpret_cast<const float4*>(bounds),
-                                                     positive, negative, valid);
+  hardest_kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
+      chunk, gram, reinterpret_cast<const float4*>(bounds), positive, negative, valid);
   return cudaGetLastError();
 }
 

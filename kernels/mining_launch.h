@@ -12,13 +12,12 @@ namespace fused_triplet {
 // Every choice of a mining call, made in plan_mining.
 struct MiningPlan {
   int64_t chunk_rows;  // anchors per chunk: a chunk x batch float buffer stays within its budget
-  int row_block;       // threads per block of the row kernels (batch_all: a block per anchor)
-  int hardest_row_warps;  // batch_hard: warps per anchor row (each a slice of the candidates)
-  float gram_bound;       // the Gram products' error on d^2, relative to (|x_i| + |x_c| + eps sqrt(D))^2
+  int row_block;       // threads per block of the row kernels (a block per anchor row)
+  float gram_bound;    // the Gram products' error on d^2, relative to (|x_i| + |x_c| + eps sqrt(D))^2
   int tile;            // the distance kernel's square tile of (anchor, candidate) pairs
 };
 
-MiningPlan plan_mining(int64_t batch, int64_t dim, int sm_count);
+MiningPlan plan_mining(int64_t batch, int64_t dim);
 
 // One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim), float,
 // contiguous (2-byte embeddings cast exactly); ids: each embedding's label. Per-anchor outputs

@@ -49,12 +49,6 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
               shape_text(labels));
 }
 
-int sm_count(const at::Tensor& x) {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, x.get_device()));
-  return count;
-}
-
 // The chunk loop: fn(chunk, stream) for each chunk of anchors of the float embeddings, on their
 // device and current stream.
 void for_each_chunk(const at::Tensor& embeddings, const at::Tensor& labels, double margin,
@@ -90,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
   at::Tensor negative = at::empty({batch}, labels.options());
   at::Tensor valid = at::empty({batch}, labels.options().dtype(at::kBool));
   if (batch == 0) return {positive, negative, valid};
-  const MiningPlan plan = plan_mining(batch, embeddings.size(1), sm_count(embeddings));
+  const MiningPlan plan = plan_mining(batch, embeddings.size(1));
   // d(i, c)^2 = |x_i|^2 + 2 eps sum(x_i) + D eps^2 + |x_c|^2 - 2 eps sum(x_c) - 2 x_i . x_c, and
   // the Gram products' error within 2 bound ((|x_i| + eps sqrt(D))^2 + |x_c|^2).
   const at::Tensor x = centred(embeddings);
@@ -128,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor> batch_all_loss_cuda(const at::Tensor& embeddi
   at::Tensor loss = at::empty({batch}, embeddings.options().dtype(at::kFloat));
   at::Tensor active = at::empty({batch}, labels.options());
   if (batch == 0) return {loss, active};
-  const MiningPlan plan = plan_mining(batch, embeddings.size(1), sm_count(embeddings));
+  const MiningPlan plan = plan_mining(batch, embeddings.size(1));
   at::Tensor dists = at::empty({plan.chunk_rows, batch}, loss.options());
   for_each_chunk(embeddings, labels, margin, eps, plan, [&](const MiningChunk& chunk, cudaStream_t s) {
     C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), s));
@@ -160,7 +154,7 @@ at::Tensor batch_all_loss_backward_cuda(const at::Tensor& grad_in, const at::Ten
   at::Tensor out = at::zeros(embeddings.sizes(), embeddings.options().dtype(at::kFloat));
   if (batch == 0) return out.to(embeddings_in.scalar_type());
   const at::Tensor x = centred(embeddings);
-  const MiningPlan plan = plan_mining(batch, embeddings.size(1), sm_count(embeddings));
+  const MiningPlan plan = plan_mining(batch, embeddings.size(1));
   at::Tensor dists = at::empty({plan.chunk_rows, batch}, out.options());
   at::Tensor coeffs = at::empty({plan.chunk_rows, batch}, out.options());
   for_each_chunk(embeddings, labels, margin, eps, plan, [&](const MiningChunk& chunk, cudaStream_t s) {
