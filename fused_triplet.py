@@ -740,12 +740,12 @@ def _mined_losses(embeddings: Tensor, labels: Tensor, mining: str, margin: float
                   eps: float, fused: bool) -> tuple:
     """(per-anchor losses, what 'mean' divides by) from the kernels (fused) or the reference;
     the losses in float32 (float64 for float64 embeddings), differentiable."""
+    if mining == "batch_all" and fused:
+        losses, active = _ops().batch_all_loss(embeddings, labels, margin, eps)
+        return losses, active.sum()
     x = embeddings if embeddings.dtype == torch.float64 else embeddings.float()
     if mining == "batch_all":
-        if fused:
-            losses, active = _ops().batch_all_loss(embeddings, labels, margin, eps)
-        else:
-            losses, active = _reference_batch_all(x, labels, margin, p, eps)
+        losses, active = _reference_batch_all(x, labels, margin, p, eps)
         return losses, active.sum()
     if fused:
         with torch.no_grad():

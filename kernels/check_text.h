@@ -1,4 +1,4 @@
-// Text for the ops' error messages. Numbers go in as std::to_string text, never streamed: on a
+// Shapes for the ops' error messages. Numbers go in as std::to_string text, never streamed: on a
 // host whose C++ runtime was older than the compiler's, streaming an integer from the extension
 // crashed inside the locale, so a bad size brought the process down instead of raising.
 #ifndef FUSED_TRIPLET_CHECK_TEXT_H
@@ -10,8 +10,6 @@
 #include <string>
 
 namespace fused_triplet {
-
-inline std::string number_text(int64_t value) { return std::to_string(value); }
 
 inline std::string shape_text(const at::Tensor& x) {
   std::string text = "[";

@@ -10,9 +10,11 @@
 //                     its (positive, negative) pairs; backward: d loss / d d(i, c) / d(i, c).
 // The loss of batch_hard's chosen triplets is the fused triplet op's, on the gathered rows.
 #include "mining_launch.h"
-#include "triplet_device.cuh"
+
+#include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace fused_triplet {
 

@@ -45,9 +45,25 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
   TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
                   labels.size(0) == embeddings.size(0),
               "fused_triplet mining: expected int64 labels of shape (",
-              number_text(embeddings.size(0)), "), got ", labels.scalar_type(), " ",
+              std::to_string(embeddings.size(0)), "), got ", labels.scalar_type(), " ",
               shape_text(labels));
 }
+
+// What every mining op does first, for as long as it runs: check its inputs (before any launch),
+// leave autocast, take the inputs' device, read them as contiguous float embeddings (exact for
+// 2-byte ones) and int64 labels.
+struct MiningCall {
+  MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in)
+      : checked((check_mining(embeddings_in, labels_in), true)),
+        no_autocast(c10::autocast_dispatch_keyset),
+        guard(embeddings_in.device()),
+        embeddings(embeddings_in.to(at::kFloat).contiguous()),
+        labels(labels_in.contiguous()) {}
+  bool checked;
+  NoAutocast no_autocast;
+  c10::cuda::CUDAGuard guard;
+  at::Tensor embeddings, labels;
+};
 
 // The chunk loop: fn(chunk, stream) for each chunk of anchors of the float embeddings, on their
 // device and current stream.
@@ -74,11 +90,9 @@ at::Tensor centred(const at::Tensor& embeddings) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings_in,
                                                                     const at::Tensor& labels_in,
                                                                     double eps) {
-  check_mining(embeddings_in, labels_in);
-  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const c10::cuda::CUDAGuard guard(embeddings_in.device());
-  const at::Tensor embeddings = embeddings_in.to(at::kFloat).contiguous();  // exact for 2-byte
-  const at::Tensor labels = labels_in.contiguous();
+  const MiningCall call(embeddings_in, labels_in);
+  const at::Tensor& embeddings = call.embeddings;
+  const at::Tensor& labels = call.labels;
   const int64_t batch = embeddings.size(0);
   at::Tensor positive = at::empty({batch}, labels.options());
   at::Tensor negative = at::empty({batch}, labels.options());
@@ -113,11 +127,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
 std::tuple<at::Tensor, at::Tensor> batch_all_loss_cuda(const at::Tensor& embeddings_in,
                                                        const at::Tensor& labels_in, double margin,
                                                        double eps) {
-  check_mining(embeddings_in, labels_in);
-  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const c10::cuda::CUDAGuard guard(embeddings_in.device());
-  const at::Tensor embeddings = embeddings_in.to(at::kFloat).contiguous();  // exact for 2-byte
-  const at::Tensor labels = labels_in.contiguous();
+  const MiningCall call(embeddings_in, labels_in);
+  const at::Tensor& embeddings = call.embeddings;
+  const at::Tensor& labels = call.labels;
   const int64_t batch = embeddings.size(0);
   at::Tensor loss = at::empty({batch}, embeddings.options().dtype(at::kFloat));
   at::Tensor active = at::empty({batch}, labels.options());
@@ -139,16 +151,14 @@ std::tuple<at::Tensor, at::Tensor> batch_all_loss_cuda(const at::Tensor& embeddi
 // two matrix products per chunk of rows of A.
 at::Tensor batch_all_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor& embeddings_in,
                                         const at::Tensor& labels_in, double margin, double eps) {
-  check_mining(embeddings_in, labels_in);
+  const MiningCall call(embeddings_in, labels_in);
+  const at::Tensor& embeddings = call.embeddings;
+  const at::Tensor& labels = call.labels;
   TORCH_CHECK(grad_in.scalar_type() == at::kFloat && grad_in.device() == embeddings_in.device() &&
                   grad_in.dim() == 1 && grad_in.size(0) == embeddings_in.size(0),
               "fused_triplet mining: expected a float32 gradient of shape (",
-              number_text(embeddings_in.size(0)), ") on the embeddings' device, got ",
+              std::to_string(embeddings_in.size(0)), ") on the embeddings' device, got ",
               grad_in.scalar_type(), " ", shape_text(grad_in), " on ", grad_in.device());
-  const NoAutocast no_autocast(c10::autocast_dispatch_keyset);
-  const c10::cuda::CUDAGuard guard(embeddings_in.device());
-  const at::Tensor embeddings = embeddings_in.to(at::kFloat).contiguous();  // exact for 2-byte
-  const at::Tensor labels = labels_in.contiguous();
   const at::Tensor grad = grad_in.contiguous();
   const int64_t batch = embeddings.size(0);
   at::Tensor out = at::zeros(embeddings.sizes(), embeddings.options().dtype(at::kFloat));

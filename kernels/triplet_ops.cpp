@@ -74,7 +74,7 @@ at::ScalarType acc_dtype(const at::Tensor& x) {
 void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n, double pnorm,
                   int64_t reduction) {
   TORCH_CHECK(reduction >= kNone && reduction <= kSum, "fused_triplet: unknown reduction ",
-              number_text(reduction));
+              std::to_string(reduction));
   TORCH_CHECK(a.is_cuda() && p.device() == a.device() && n.device() == a.device(),
               "fused_triplet: anchor, positive and negative must be on one CUDA device, got ",
               a.device(), ", ", p.device(), ", ", n.device());
@@ -364,7 +364,7 @@ void run_backward(const at::Tensor& grad, const at::Tensor& anchor, const at::Te
                   dists.scalar_type() == acc_dtype(anchor) && dists.dim() == 2 &&
                   dists.size(0) == (swap ? 3 : 2) && dists.size(1) == rows,
               "fused_triplet: dists must be the forward's [", swap ? "3" : "2", ", ",
-              number_text(rows), "] ",
+              std::to_string(rows), "] ",
               acc_dtype(anchor), " tensor on ", anchor.device());
   // The loss's dtype: the inputs', or float32 for 2-byte inputs under autocast.
   const bool float32_loss = two_byte(anchor.scalar_type()) && grad.scalar_type() == at::kFloat;
@@ -372,7 +372,7 @@ void run_backward(const at::Tensor& grad, const at::Tensor& anchor, const at::Te
                   (grad.scalar_type() == anchor.scalar_type() || float32_loss) &&
                   grad.numel() == (reduction == kNone ? rows : 1),
               "fused_triplet: the upstream gradient must be ",
-              number_text(reduction == kNone ? rows : 1),
+              std::to_string(reduction == kNone ? rows : 1),
               " values of the loss's dtype (", anchor.scalar_type(),
               two_byte(anchor.scalar_type()) ? " or float32" : "", ") on ", anchor.device());
   if (rows == 0 || dim == 0) return;
