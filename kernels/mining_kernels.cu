@@ -2,6 +2,8 @@
 // In-batch mining for mined_triplet_margin_loss (p = 2) on float embeddings (2-byte ones cast
 // exactly first), one chunk of anchors at a time; a block scans one anchor's row of
 // the chunk. No atomics: the same inputs give the same bits.
+//   gram_rows_kernel  batch_hard: the sorted, centred rows rounded to bfloat16 for the Gram
+//                     products, and each row's error bounds.
 //   hardest_kernel    batch_hard: from the bfloat16 Gram matrix's approximate squared distances
 //                     and their error bounds, the candidates that can be the hardest positive or
 //                     negative, decided by their exact distance.
@@ -11,6 +13,7 @@
 // The loss of batch_hard's chosen triplets is the fused triplet op's, on the gathered rows.
 #include "mining_launch.h"
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -23,20 +26,24 @@ namespace fused_triplet {
 // enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
+constexpr int kRowUnroll = 4;     // batch_hard's bounds pass: columns each thread loads at once
 constexpr int kTile = 64;         // distances: 64 x 64 pairs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
 constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives
-// The Gram matrix's error on a squared distance, relative to (|x_i| + |x_c| + eps sqrt(D))^2:
-// bfloat16 rounding of the centred inputs (2^-9 each, 2^-7 with room) and float accumulation of
-// D products (2^-24 each; 2^-20 per element allows truncating tensor-core adds). That square is
-// at most 2 (|x_i| + eps sqrt(D))^2 + 2 |x_c|^2, so the bound splits into a term per row.
-constexpr float kGramRoundingBound = 1.0f / 128;
-constexpr float kGramPerElementBound = 1.0f / (1 << 20);
+// The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
+// rounded to bfloat16: 2 (x~_i . r_c + r_i . x_c) + accumulation, at most
+// 2 (|x~_i| |r_c| + |r_i| |x_c|) + 2 gram_bound |x~_i| |x~_c|. 2ab <= w a^2 + b^2 / w splits it into
+// a term per row; the weight w = 2^-10 sits near bfloat16's typical |r| / |x|, where the split
+// loses least. Float accumulation of D products: 2^-23 each if tensor-core adds truncate, 2^-21
+// per element leaves room for the float row terms and the exact distances.
+constexpr float kGramRoundingWeight = 1.0f / (1 << 10);
+constexpr float kGramPerElementBound = 1.0f / (1 << 21);
 
 MiningPlan plan_mining(int64_t batch, int64_t dim) {
   MiningPlan plan;
-  plan.gram_bound = kGramRoundingBound + float(dim + 16) * kGramPerElementBound;
+  plan.gram_bound = float(dim + 16) * kGramPerElementBound;
+  plan.rounding_weight = kGramRoundingWeight;
   plan.chunk_rows = std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1), 1,
                                         std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
@@ -88,79 +95,174 @@ __device__ __forceinline__ float warp_min(float x) {
   return x;
 }
 
-// One block per anchor row, in two passes over it. First the bounds (thread t takes candidates
-// t, t + 256, ...): a lower bound of the row's largest positive squared distance, an upper bound
-// of its smallest negative one. Then each warp takes 32 consecutive candidates at a time, and
-// every one whose own bounds can still beat the row's gets its exact distance from the whole
-// warp: the true extreme always can, so it is always decided exactly (NaN approximations always
-// are). The warps then combine their picks.
+// batch_hard's Gram inputs, a warp per sorted position s: the embedding order[s] less the batch
+// mean, x, rounded to bfloat16 (x~ = x + r), and its bounds' terms, by the spreads of the table:
+// w n^2 + |r|^2 / w + 2 gram_bound n^2 (n = max(|x|, |x~|); (n + eps sqrt(D))^2 in the last term
+// for an anchor) around |x|^2 - 2 eps sum(x) as a candidate, |x|^2 + 2 eps sum(x) + D eps^2 as an
+// anchor. bounds: [2, batch] (lower, upper), candidates then anchors.
 __global__ void __launch_bounds__(kRowThreads)
-    hardest_kernel(MiningChunk chunk, const float* gram, const float4* bounds, int64_t* positive,
-                   int64_t* negative, bool* valid) {
+    gram_rows_kernel(MiningChunk chunk, MiningPlan plan, const int64_t* order, const float* mean,
+                     __nv_bfloat16* rounded, float2* bounds) {
+  const int lane = threadIdx.x % 32;
+  const int64_t s = int64_t(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
+  if (s >= chunk.batch) return;
+  const int64_t dim = chunk.dim;
+  const float* row = chunk.embeddings + order[s] * dim;
+  __nv_bfloat16* out = rounded + s * dim;
+  float sq = 0.f, sum = 0.f, rounded_sq = 0.f, residual_sq = 0.f;
+  for (int64_t k = lane; k < dim; k += 32) {
+    const float x = row[k] - mean[k];
+    const __nv_bfloat16 b = __float2bfloat16_rn(x);
+    const float w = __bfloat162float(b), r = x - w;
+    out[k] = b;
+    sq = fmaf(x, x, sq);
+    sum += x;
+    rounded_sq = fmaf(w, w, rounded_sq);
+    residual_sq = fmaf(r, r, residual_sq);
+  }
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    sq += __shfl_xor_sync(0xffffffffu, sq, offset);
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    rounded_sq += __shfl_xor_sync(0xffffffffu, rounded_sq, offset);
+    residual_sq += __shfl_xor_sync(0xffffffffu, residual_sq, offset);
+  }
+  if (lane != 0) return;
+  const float eps = chunk.eps, n2 = fmaxf(sq, rounded_sq), w = plan.rounding_weight;
+  const float rounding = w * n2 + residual_sq / w;
+  const float anchor_norm = sqrtf(n2) + eps * sqrtf(float(dim));
+  const float as_candidate = sq - 2.f * eps * sum;
+  const float candidate_spread = rounding + 2.f * plan.gram_bound * n2;
+  const float as_anchor = sq + 2.f * eps * sum + float(dim) * eps * eps;
+  const float anchor_spread = rounding + 2.f * plan.gram_bound * anchor_norm * anchor_norm;
+  bounds[s] = make_float2(as_candidate - candidate_spread, as_candidate + candidate_spread);
+  bounds[chunk.batch + s] = make_float2(as_anchor - anchor_spread, as_anchor + anchor_spread);
+}
+
+// A block per anchor row, the batch sorted by label: the anchor's positives are the columns of its
+// class's range, found by binary search in the sorted labels, so no label is read per candidate.
+// First the bounds (thread t takes columns t, t + 256, ...): a lower bound of the row's largest
+// positive squared distance, an upper bound of its smallest negative one, and each thread's most
+// promising positive and negative column with the runner-up's bound. A column whose interval can
+// beat the row's bound is a candidate and gets its exact distance from the whole warp: the true
+// extreme always is one, so it is always decided exactly. Threads whose runner-up is a candidate
+// too (or that saw a NaN approximation, always a candidate) walk their columns again. The warps
+// then combine their picks.
+__global__ void __launch_bounds__(kRowThreads)
+    hardest_kernel(MiningChunk chunk, const float* gram, const float2* bounds,
+                   const int64_t* order, int64_t* positive, int64_t* negative, bool* valid) {
   constexpr int kWarps = kRowThreads / 32;
   __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
-  __shared__ int warp_has[kWarps];
   __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
+  __shared__ int64_t class_range[2];  // the anchor's class: its sorted columns [first, last)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t row = blockIdx.x, anchor = chunk.first + row, batch = chunk.batch;
-  const float* embeddings = chunk.embeddings;
-  const float* anchor_row = embeddings + anchor * chunk.dim;
+  const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
+  if (threadIdx.x < 2) {  // thread 1 finds the class's end, thread 0 its start
+    const bool last = threadIdx.x == 1;
+    const int64_t* labels = chunk.ids;
+    const int64_t my_id = labels[me];
+    int64_t lo = last ? me + 1 : 0, hi = last ? batch : me;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (last ? labels[mid] <= my_id : labels[mid] < my_id) lo = mid + 1; else hi = mid;
+    }
+    class_range[last] = lo;
+  }
+  __syncthreads();
+  const int64_t class_first = class_range[0], class_last = class_range[1];
   const float* gram_row = gram + row * batch;
-  const float2* candidate_terms = reinterpret_cast<const float2*>(bounds);  // [2 c]: .x, .y of c
-  const float4 me = bounds[anchor];  // .z, .w: this row's anchor terms
-  const int64_t my_id = chunk.ids[anchor];
-  float floor = -INFINITY, ceiling = INFINITY;
-  int has = 0;  // bit 0: a positive, bit 1: a negative
-  for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
-    if (c == anchor) continue;
-    const float minus_two_gram = -2.f * gram_row[c];
-    const float2 b = candidate_terms[2 * c];
-    if (chunk.ids[c] == my_id) {
-      has |= 1;
-      floor = fmaxf(floor, me.z + (b.x + minus_two_gram));
-    } else {
-      has |= 2;
-      ceiling = fminf(ceiling, me.w + (b.y + minus_two_gram));
+  const float2 mine = bounds[batch + me];  // bounds: candidate terms, then anchor terms
+  // Interval of d(me, c)^2 from c's Gram product and terms.
+  const auto interval = [&](float product, float2 terms) {
+    const float minus_two_gram = -2.f * product;
+    return make_float2(mine.x + (terms.x + minus_two_gram), mine.y + (terms.y + minus_two_gram));
+  };
+  const auto in_class = [&](int64_t c) { return c >= class_first && c < class_last; };
+  float floor = -INFINITY, ceiling = INFINITY;  // the row's, once reduced
+  // This thread's largest positive upper bound and the runner-up, smallest negative lower bound
+  // and the runner-up, and their columns.
+  float top = -INFINITY, next_top = -INFINITY, bottom = INFINITY, next_bottom = INFINITY;
+  int64_t top_column = -1, bottom_column = -1;
+  bool nan = false;
+  for (int64_t base = threadIdx.x; base < batch; base += kRowUnroll * kRowThreads) {
+    float products[kRowUnroll];
+    float2 terms[kRowUnroll];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t c = base + u * kRowThreads;
+      products[u] = c < batch ? gram_row[c] : 0.f;
+      terms[u] = c < batch ? bounds[c] : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t c = base + u * kRowThreads;
+      if (c >= batch || c == me) continue;
+      const float2 d2 = interval(products[u], terms[u]);
+      nan |= d2.x != d2.x || d2.y != d2.y;
+      if (in_class(c)) {
+        floor = fmaxf(floor, d2.x);
+        if (d2.y > top) {
+          next_top = top, top = d2.y, top_column = c;
+        } else {
+          next_top = fmaxf(next_top, d2.y);
+        }
+      } else {
+        ceiling = fminf(ceiling, d2.y);
+        if (d2.x < bottom) {
+          next_bottom = bottom, bottom = d2.x, bottom_column = c;
+        } else {
+          next_bottom = fminf(next_bottom, d2.x);
+        }
+      }
     }
   }
   floor = warp_max(floor);
   ceiling = warp_min(ceiling);
-  for (int offset = 16; offset > 0; offset >>= 1) has |= __shfl_xor_sync(0xffffffffu, has, offset);
-  if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling, warp_has[warp] = has;
+  if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling;
   __syncthreads();
   for (int w = 0; w < kWarps; ++w) {
     floor = fmaxf(floor, warp_floors[w]);
     ceiling = fminf(ceiling, warp_ceilings[w]);
-    has |= warp_has[w];
   }
+  const bool walks = nan || (next_top > -INFINITY && next_top >= floor) ||
+                     (next_bottom < INFINITY && next_bottom <= ceiling);
+  const float* embeddings = chunk.embeddings;
+  const float* anchor_row = embeddings + order[me] * chunk.dim;
   Pick best_positive{0.f, -1}, best_negative{0.f, -1};
-  for (int64_t first = int64_t(warp) * 32; first < batch; first += kRowThreads) {
-    const int64_t c = first + lane;
-    bool is_positive = false, is_negative = false;
-    float lower = 0.f, upper = 0.f;  // bounds of the squared distance to candidate c
-    if (c < batch && c != anchor) {
-      const float minus_two_gram = -2.f * gram_row[c];
-      const float2 b = candidate_terms[2 * c];
-      lower = me.z + (b.x + minus_two_gram);
-      upper = me.w + (b.y + minus_two_gram);
-      is_positive = chunk.ids[c] == my_id;
-      is_negative = !is_positive;
+  // The exact distance of sorted column c, kept where it beats the pick so far.
+  const auto decide = [&](int64_t c, bool is_positive) {
+    const int64_t column = order[c];
+    const Pick exact{exact_sq_distance(anchor_row, embeddings + column * chunk.dim, chunk.dim,
+                                       chunk.eps, lane),
+                     column};
+    if (is_positive) {
+      if (beats<true>(exact, best_positive)) best_positive = exact;
+    } else if (beats<false>(exact, best_negative)) {
+      best_negative = exact;
     }
-    const bool nan = lower != lower || upper != upper;
-    const unsigned positives = __ballot_sync(0xffffffffu, is_positive && (nan || upper >= floor));
-    unsigned candidates =
-        positives | __ballot_sync(0xffffffffu, is_negative && (nan || lower <= ceiling));
-    while (candidates != 0) {
-      const int bit = __ffs(candidates) - 1;
-      candidates &= candidates - 1;
-      const int64_t column = first + bit;
-      const Pick exact{exact_sq_distance(anchor_row, embeddings + column * chunk.dim, chunk.dim,
-                                         chunk.eps, lane),
-                       column};
-      if ((positives >> bit) & 1u) {
-        if (beats<true>(exact, best_positive)) best_positive = exact;
-      } else if (beats<false>(exact, best_negative)) {
-        best_negative = exact;
+  };
+  // The threads that do not walk: their one positive and one negative candidate at most.
+  const unsigned tops = __ballot_sync(0xffffffffu, !walks && top_column >= 0 && top >= floor);
+  for (unsigned lanes = tops; lanes != 0; lanes &= lanes - 1)
+    decide(__shfl_sync(0xffffffffu, top_column, __ffs(lanes) - 1), true);
+  const unsigned bottoms =
+      __ballot_sync(0xffffffffu, !walks && bottom_column >= 0 && bottom <= ceiling);
+  for (unsigned lanes = bottoms; lanes != 0; lanes &= lanes - 1)
+    decide(__shfl_sync(0xffffffffu, bottom_column, __ffs(lanes) - 1), false);
+  if (__any_sync(0xffffffffu, walks)) {
+    for (int64_t first = int64_t(warp) * 32; first < batch; first += kRowThreads) {
+      const int64_t c = first + lane;
+      bool is_positive = false, is_candidate = false;
+      if (walks && c < batch && c != me) {
+        const float2 d2 = interval(gram_row[c], bounds[c]);
+        is_positive = in_class(c);
+        is_candidate = d2.x != d2.x || d2.y != d2.y ||
+                       (is_positive ? d2.y >= floor : d2.x <= ceiling);
+      }
+      const unsigned positives = __ballot_sync(0xffffffffu, is_candidate && is_positive);
+      for (unsigned found = __ballot_sync(0xffffffffu, is_candidate); found != 0;
+           found &= found - 1) {
+        const int bit = __ffs(found) - 1;
+        decide(first + bit, (positives >> bit) & 1u);
       }
     }
   }
@@ -172,9 +274,10 @@ __global__ void __launch_bounds__(kRowThreads)
     if (beats<false>(warp_negatives[w], best_negative)) best_negative = warp_negatives[w];
   }
   const bool found = best_positive.index >= 0 && best_negative.index >= 0;
+  const int64_t anchor = order[me];
   positive[anchor] = found ? best_positive.index : anchor;
   negative[anchor] = found ? best_negative.index : anchor;
-  valid[anchor] = found && has == 3;
+  valid[anchor] = found;
 }
 
 __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chunk, float* dists) {
@@ -329,11 +432,21 @@ __global__ void __launch_bounds__(kRowThreads)
 
 }  // namespace
 
+cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
+                             const float* mean, void* rounded, float* bounds,
+                             cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kRowThreads / 32;
+  gram_rows_kernel<<<(chunk.batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
+      chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded),
+      reinterpret_cast<float2*>(bounds));
+  return cudaGetLastError();
+}
+
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
-                           const float* bounds, int64_t* positive, int64_t* negative, bool* valid,
-                           cudaStream_t stream) {
+                           const float* bounds, const int64_t* order, int64_t* positive,
+                           int64_t* negative, bool* valid, cudaStream_t stream) {
   hardest_kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
-      chunk, gram, reinterpret_cast<const float4*>(bounds), positive, negative, valid);
+      chunk, gram, reinterpret_cast<const float2*>(bounds), order, positive, negative, valid);
   return cudaGetLastError();
 }
 

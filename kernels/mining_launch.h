@@ -11,10 +11,11 @@ namespace fused_triplet {
 
 // Every choice of a mining call, made in plan_mining.
 struct MiningPlan {
-  int64_t chunk_rows;  // anchors per chunk: a chunk x batch float buffer stays within its budget
-  int row_block;       // threads per block of the row kernels (a block per anchor row)
-  float gram_bound;    // the Gram products' error on d^2, relative to (|x_i| + |x_c| + eps sqrt(D))^2
-  int tile;            // the distance kernel's square tile of (anchor, candidate) pairs
+  int64_t chunk_rows;     // anchors per chunk: a chunk x batch float buffer stays within its budget
+  int row_block;          // threads per block of the row kernels (a block per anchor row)
+  float gram_bound;       // the Gram products' accumulation error, relative to |x~_i| |x~_c|
+  float rounding_weight;  // splits the bfloat16 rounding error into a term per row
+  int tile;               // the distance kernel's square tile of (anchor, candidate) pairs
 };
 
 MiningPlan plan_mining(int64_t batch, int64_t dim);
@@ -29,16 +30,24 @@ struct MiningChunk {
   float eps, margin;
 };
 
-// batch_hard: the hardest positive and negative of each anchor of the chunk. gram: [rows, batch]
-// float dot products x_i . x_c of the centred embeddings rounded to bfloat16; bounds: [batch, 4]
-// float per embedding, its terms as a candidate (lower, upper) and as an anchor (lower, upper):
-// d(i, c)^2 lies within [lower_i + lower_c - 2 gram, upper_i + upper_c - 2 gram]. Candidates
-// whose interval reaches the extreme's are decided by the exact distance of the embeddings.
-// positive / negative: int64 indices (the anchor itself where there is none); valid: 1 where the
-// anchor has both.
+// batch_hard's Gram inputs for the whole batch (chunk.first and rows unused), sorted by label:
+// rounded [batch, dim] bfloat16, the embedding order[s] less mean ([dim] float) at row s, and
+// bounds [2, batch, 2] float, the terms of launch_hardest.
+cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
+                             const float* mean, void* rounded, float* bounds, cudaStream_t stream);
+
+// batch_hard: the hardest positive and negative of each anchor of the chunk, the batch sorted by
+// label: ids the sorted labels, order[s] the embedding at sorted position s, and the chunk's rows
+// sorted positions. gram: [rows, batch] float dot products x_s . x_c of the sorted, centred
+// embeddings rounded to bfloat16; bounds: [2, batch, 2] float by sorted position, the terms as a
+// candidate (lower, upper), then as an anchor (lower, upper): d(s, c)^2 lies within
+// [lower_s + lower_c - 2 gram, upper_s + upper_c - 2 gram]. Candidates whose interval reaches
+// the extreme's are decided by the exact distance of the embeddings. positive / negative: int64
+// indices of the embeddings, by embedding (the anchor itself where there is none); valid: 1
+// where the anchor has both.
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
-                           const float* bounds, int64_t* positive, int64_t* negative,
-                           bool* valid, cudaStream_t stream);
+                           const float* bounds, const int64_t* order, int64_t* positive,
+                           int64_t* negative, bool* valid, cudaStream_t stream);
 
 // The exact distances of the chunk's anchors to every embedding: dists [rows, batch] float,
 // torch's pairwise_distance (p = 2, eps inside the norm).

@@ -65,17 +65,26 @@ struct MiningCall {
   at::Tensor embeddings, labels;
 };
 
+// Every anchor of the float embeddings as one chunk.
+MiningChunk whole_batch(const at::Tensor& embeddings, const at::Tensor& labels, double margin,
+                        double eps) {
+  return {embeddings.data_ptr<float>(), labels.data_ptr<int64_t>(), embeddings.size(0),
+          embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin)};
+}
+
+cudaStream_t stream_of(const at::Tensor& x) {
+  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+}
+
 // The chunk loop: fn(chunk, stream) for each chunk of anchors of the float embeddings, on their
 // device and current stream.
 void for_each_chunk(const at::Tensor& embeddings, const at::Tensor& labels, double margin,
                     double eps, const MiningPlan& plan,
                     const std::function<void(const MiningChunk&, cudaStream_t)>& fn) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(embeddings.get_device()).stream();
-  MiningChunk chunk{embeddings.data_ptr<float>(), labels.data_ptr<int64_t>(), embeddings.size(0),
-                    embeddings.size(1), 0, 0, float(eps), float(margin)};
+  MiningChunk chunk = whole_batch(embeddings, labels, margin, eps);
   for (chunk.first = 0; chunk.first < chunk.batch; chunk.first += plan.chunk_rows) {
     chunk.rows = std::min(plan.chunk_rows, chunk.batch - chunk.first);
-    fn(chunk, stream);
+    fn(chunk, stream_of(embeddings));
   }
 }
 
@@ -86,39 +95,35 @@ at::Tensor centred(const at::Tensor& embeddings) {
   return x - x.mean(0, true);
 }
 
-// batch_hard: (positive, negative, valid) per anchor.
+// batch_hard: (positive, negative, valid) per anchor. The rows go sorted by label (stable), so
+// each anchor's positives are one range of columns.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings_in,
                                                                     const at::Tensor& labels_in,
                                                                     double eps) {
   const MiningCall call(embeddings_in, labels_in);
   const at::Tensor& embeddings = call.embeddings;
-  const at::Tensor& labels = call.labels;
   const int64_t batch = embeddings.size(0);
-  at::Tensor positive = at::empty({batch}, labels.options());
-  at::Tensor negative = at::empty({batch}, labels.options());
-  at::Tensor valid = at::empty({batch}, labels.options().dtype(at::kBool));
+  at::Tensor positive = at::empty({batch}, call.labels.options());
+  at::Tensor negative = at::empty({batch}, call.labels.options());
+  at::Tensor valid = at::empty({batch}, call.labels.options().dtype(at::kBool));
   if (batch == 0) return {positive, negative, valid};
+  const auto [sorted_labels, order] = call.labels.sort(/*stable=*/true, 0, false);
   const MiningPlan plan = plan_mining(batch, embeddings.size(1));
-  // d(i, c)^2 = |x_i|^2 + 2 eps sum(x_i) + D eps^2 + |x_c|^2 - 2 eps sum(x_c) - 2 x_i . x_c, and
-  // the Gram products' error within 2 bound ((|x_i| + eps sqrt(D))^2 + |x_c|^2).
-  const at::Tensor x = centred(embeddings);
-  const at::Tensor sq_norms = (x * x).sum(1), sums = x.sum(1);
-  const double dim = double(embeddings.size(1)), bound = 2.0 * plan.gram_bound;
-  const at::Tensor as_candidate = sq_norms - 2.0 * eps * sums;
-  const at::Tensor candidate_spread = bound * sq_norms;
-  const at::Tensor as_anchor = sq_norms + 2.0 * eps * sums + dim * eps * eps;
-  const at::Tensor anchor_spread = bound * (sq_norms.sqrt() + eps * std::sqrt(dim)).square();
-  const at::Tensor bounds =
-      at::stack({as_candidate - candidate_spread, as_candidate + candidate_spread,
-                 as_anchor - anchor_spread, as_anchor + anchor_spread}, 1).contiguous();
-  const at::Tensor rounded = x.to(at::kBFloat16);
-  at::Tensor gram = at::empty({plan.chunk_rows, batch}, x.options());
-  for_each_chunk(embeddings, labels, 0.0, eps, plan, [&](const MiningChunk& chunk, cudaStream_t s) {
+  at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
+  at::Tensor bounds = at::empty({2, batch, 2}, embeddings.options());
+  const at::Tensor mean = embeddings.mean(0);
+  C10_CUDA_CHECK(launch_gram_rows(whole_batch(embeddings, sorted_labels, 0.0, eps), plan,
+                                  order.data_ptr<int64_t>(), mean.data_ptr<float>(),
+                                  rounded.data_ptr(), bounds.data_ptr<float>(),
+                                  stream_of(embeddings)));
+  at::Tensor gram = at::empty({plan.chunk_rows, batch}, embeddings.options());
+  for_each_chunk(embeddings, sorted_labels, 0.0, eps, plan,
+                 [&](const MiningChunk& chunk, cudaStream_t s) {
     at::Tensor rows = gram.narrow(0, 0, chunk.rows);
     at::mm_out(rows, rounded.narrow(0, chunk.first, chunk.rows), rounded.t(), at::kFloat);
     C10_CUDA_CHECK(launch_hardest(chunk, plan, rows.data_ptr<float>(), bounds.data_ptr<float>(),
-                                  positive.data_ptr<int64_t>(), negative.data_ptr<int64_t>(),
-                                  valid.data_ptr<bool>(), s));
+                                  order.data_ptr<int64_t>(), positive.data_ptr<int64_t>(),
+                                  negative.data_ptr<int64_t>(), valid.data_ptr<bool>(), s));
   });
   return {positive, negative, valid};
 }

@@ -8,7 +8,8 @@ Each other checkout's fused_triplet.py and kernels are copied with their op name
 (fused_triplet -> ft_<name>; a plain folder is named "base"), so all the libraries load side by
 side; they build in parallel. Each case times them all with bench.py's method (interleaved rounds,
 L2 flushed, GPU time), and prints new / the first base: below 1 the new kernels are faster.
-Add --compile to time torch.compile too.
+Add --compile to time torch.compile too. --mining: mined_triplet_margin_loss's fwd+bwd over
+bench.py's mining cases instead, with each library's peak extra memory.
 """
 
 import argparse
@@ -53,6 +54,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--compile", action="store_true", help="time torch.compile as well")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--mining", action="store_true",
+                        help="mined_triplet_margin_loss over bench.py's mining cases")
     args = parser.parse_args()
 
     import torch
@@ -85,11 +88,16 @@ def main() -> int:
     libraries["new"] = fused_triplet
     first = next(iter(bases))
 
-    rows = []
+    if args.mining:
+        rows = ab_mining(libraries, first, args.rounds)
+        args.modes = ""
+    else:
+        rows = []
     names = list(libraries) + (["compile"] if args.compile else [])
-    print(f"{'mode':>8} {'shape':>12} {'dtype':>8} " + " ".join(f"{n[:9]:>9}" for n in names)
-          + f" {'new/' + first[:4]:>8}")
-    for mode in args.modes.split(","):
+    if args.modes:
+        print(f"{'mode':>8} {'shape':>12} {'dtype':>8} " + " ".join(f"{n[:9]:>9}" for n in names)
+              + f" {'new/' + first[:4]:>8}")
+    for mode in filter(None, args.modes.split(",")):
         for dtype_name in args.dtypes.split(","):
             for shape in bench.parse_shapes(args.shapes):
                 dtype = bench.DTYPES[dtype_name]
@@ -134,6 +142,49 @@ def main() -> int:
             json.dump({"gpu": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
     shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def ab_mining(libraries: dict, first: str, rounds: int) -> list:
+    """Each library's mined loss, fwd+bwd of the mean, on bench.py's mining cases: median ms
+    (interleaved, as bench.py times them) and peak extra memory."""
+    import bench
+    import torch
+
+    rows = []
+    print(f"{'mining':>10} {'shape':>10} {'dtype':>6} "
+          + " ".join(f"{n[:9]:>9} {'MiB':>7}" for n in libraries) + f" {'new/' + first[:4]:>8}")
+    for mining, batch, dim, dtype_name, _ in bench.MINING_CASES:
+        torch.manual_seed(0)
+        e = torch.randn(batch, dim, device="cuda").to(bench.DTYPES[dtype_name]).requires_grad_()
+        labels = (torch.arange(batch, device="cuda") // 8)[torch.randperm(batch, device="cuda")]
+
+        def step_of(lib, mining=mining):
+            def step(x, y):
+                x.grad = None
+                lib.mined_triplet_margin_loss(x, y, mining).backward()
+            return step
+        fns = {name: step_of(lib) for name, lib in libraries.items()}
+        extra = {}
+        for name, fn in fns.items():
+            fn(e, labels)
+            e.grad = None
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn(e, labels)
+            torch.cuda.synchronize()
+            extra[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        times = bench.time_interleaved(fns, (e, labels), rounds if batch <= 16384 else 5, 2)
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        row = {"mode": f"mined {mining}", "shape": [batch, dim], "dtype": dtype_name, **ms,
+               "extra_mib": extra, "new_over_base": ms["new"] / ms[first]}
+        rows.append(row)
+        print(f"{mining:>10} {batch}x{dim:<5} {dtype_name:>6} "
+              + " ".join(f"{ms[n]:>9.4f} {extra[n]:>7.0f}" for n in libraries)
+              + f" {row['new_over_base']:>8.3f}", flush=True)
+        del e
+        torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
     assert kernels == ["backward_check_kernel", "backward_pointwise_kernel",
                        "backward_rows_kernel", "batch_all_kernel", "distances_kernel",
                        "forward_finish_kernel", "forward_one_pass_kernel", "forward_ring_kernel",
-                       "forward_rows_kernel", "hardest_kernel"], kernels
+                       "forward_rows_kernel", "gram_rows_kernel", "hardest_kernel"], kernels
 
 
 def test_build_is_marked_constant_as_torch_compile_marks_it():
