@@ -286,6 +286,16 @@ def cube_batch_all(e, labels, margin=1.0):
     return losses.sum() / (losses > 0).sum().clamp_min(1)
 
 
+def peak_extra(fn, *args):
+    """(fn(*args), the bytes allocated at its peak beyond those allocated before the call)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn(*args)
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - before
+
+
 def bench_mining(mining, batch, dim, dtype_name, baseline, rounds, warmup, margin=1.0):
     """fwd+bwd of the mined mean loss, the baseline formulation against fused_triplet's; peak
     extra memory is max_memory_allocated during one step beyond the embeddings."""
@@ -308,17 +318,12 @@ def bench_mining(mining, batch, dim, dtype_name, baseline, rounds, warmup, margi
         try:
             step(e, labels)
             e.grad = None
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            loss = step(e, labels)
-            torch.cuda.synchronize()
+            loss, extra[name] = peak_extra(step, e, labels)
         except torch.OutOfMemoryError:
             failed[name] = "out of memory"
             e.grad = None
             torch.cuda.empty_cache()
             continue
-        extra[name] = torch.cuda.max_memory_allocated() - before
         results[name] = [loss.detach()]
         steps[name] = step
     times = time_interleaved(steps, (e, labels), rounds, warmup)

@@ -168,12 +168,7 @@ def ab_mining(libraries: dict, first: str, rounds: int) -> list:
         for name, fn in fns.items():
             fn(e, labels)
             e.grad = None
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn(e, labels)
-            torch.cuda.synchronize()
-            extra[name] = (torch.cuda.max_memory_allocated() - before) / 2**20
+            extra[name] = bench.peak_extra(fn, e, labels)[1] / 2**20
         times = bench.time_interleaved(fns, (e, labels), rounds if batch <= 16384 else 5, 2)
         ms = {name: statistics.median(t) for name, t in times.items()}
         row = {"mode": f"mined {mining}", "shape": [batch, dim], "dtype": dtype_name, **ms,
