@@ -6,7 +6,9 @@ each family asked for where it can run (forward rows and ring; backward rows and
 one-pass training forward with its check, predicting right and wrong), p = 2 and 1, upstream
 gradients 1 and 0.5: contiguous, strided and split rows, whole fp16/bf16 rows (the ring's 4 KiB
 chunks), a row whose last chunk is 16 bytes, a short last slice, float32 rows in the ring's tiles
-(teams of 8 and 32, rows ending mid-stage, a last row group not full, strided).
+(teams of 8 and 32, rows ending mid-stage, a last row group not full, strided). Then the in-batch
+mining kernels, forward and backward: one embedding, one label, anchors without positives,
+uneven labels, odd dims, fp32 and bf16. `--mining`: the mining kernels alone.
 """
 import math
 import os
@@ -40,27 +42,42 @@ def step(xs, families=(-1, -1), p=2.0, swap=False):
         (weight * loss).backward()
 
 
-for shape in [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)]:
-    for offset in (0, 1):  # 1: misaligned storage, the scalar path
-        base = [torch.rand(shape[0] * shape[1] + offset, device="cuda") for _ in range(3)]
-        xs = [x[offset:].view(shape) for x in base]
-        for pnorm in (2.0, 1.0, math.inf, 3.0):
-            for swap in (False, True):
-                step(xs, p=pnorm, swap=swap)
+def triplet_kernels():
+    for shape in [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)]:
+        for offset in (0, 1):  # 1: misaligned storage, the scalar path
+            base = [torch.rand(shape[0] * shape[1] + offset, device="cuda") for _ in range(3)]
+            xs = [x[offset:].view(shape) for x in base]
+            for pnorm in (2.0, 1.0, math.inf, 3.0):
+                for swap in (False, True):
+                    step(xs, p=pnorm, swap=swap)
 
-cases = []  # (shape, width of the storage rows, dtype)
-cases += [((4200, 1024), 1024, torch.float32), ((1500, 3000), 3008, torch.float32),
-          ((40001, 100), 100, torch.float32), ((9003, 300), 304, torch.float32),
-          ((3, 1500000), 1500004, torch.float32), ((2, 20008), 20008, torch.float32)]
-cases += [((4, 8192), 8192, d) for d in (torch.bfloat16, torch.float16)]
-cases += [((4, 4104), 4104, torch.bfloat16), ((3, 20000), 20000, torch.bfloat16),
-          ((64, 2048), 2048, torch.float64)]
-for families in ((0, 0), (1, 1), (2, -1)):
-    for shape, width, dtype in cases:
-        xs = [torch.rand(shape[0], width, device="cuda", dtype=dtype)[:, :shape[1]]
-              for _ in range(3)]
-        for pnorm in (2.0, 1.0):
-            if can_run(xs, pnorm, families):
-                step(xs, families, p=pnorm, swap=True)
+    cases = []  # (shape, width of the storage rows, dtype)
+    cases += [((4200, 1024), 1024, torch.float32), ((1500, 3000), 3008, torch.float32),
+              ((40001, 100), 100, torch.float32), ((9003, 300), 304, torch.float32),
+              ((3, 1500000), 1500004, torch.float32), ((2, 20008), 20008, torch.float32)]
+    cases += [((4, 8192), 8192, d) for d in (torch.bfloat16, torch.float16)]
+    cases += [((4, 4104), 4104, torch.bfloat16), ((3, 20000), 20000, torch.bfloat16),
+              ((64, 2048), 2048, torch.float64)]
+    for families in ((0, 0), (1, 1), (2, -1)):
+        for shape, width, dtype in cases:
+            xs = [torch.rand(shape[0], width, device="cuda", dtype=dtype)[:, :shape[1]]
+                  for _ in range(3)]
+            for pnorm in (2.0, 1.0):
+                if can_run(xs, pnorm, families):
+                    step(xs, families, p=pnorm, swap=True)
+
+
+def mining_kernels():
+    for batch, dim, labels_of in [(1, 4, 1), (2, 3, 2), (5, 64, 1), (97, 33, 7), (300, 129, 40)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            e = torch.randn(batch, dim, device="cuda", dtype=dtype, requires_grad=True)
+            labels = torch.randint(0, labels_of, (batch,), device="cuda")
+            for mining in ("batch_hard", "batch_all"):
+                ft.mined_triplet_margin_loss(e, labels, mining).backward()
+
+
+if "--mining" not in sys.argv:
+    triplet_kernels()
+mining_kernels()
 torch.cuda.synchronize()
 print("sanitize driver: done")
