@@ -88,8 +88,9 @@ void for_each_chunk(const at::Tensor& embeddings, const at::Tensor& labels, doub
   }
 }
 
-// The embeddings in float, less their mean: distances are unchanged, and the Gram products'
-// error (relative to the rows' norms) shrinks to the batch's spread.
+// The embeddings in float, less their mean (batch_all's gradient; batch_hard's gram_rows_kernel
+// centres its rows itself): distances are unchanged, and the matrix products' error, relative to
+// the rows' norms, shrinks to the batch's spread.
 at::Tensor centred(const at::Tensor& embeddings) {
   const at::Tensor x = embeddings.to(at::kFloat);
   return x - x.mean(0, true);
