@@ -26,7 +26,8 @@ namespace fused_triplet {
 // enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
-constexpr int kRowUnroll = 4;     // batch_hard's bounds pass: columns each thread loads at once
+constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
+constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
 constexpr int kTile = 64;         // distances: 64 x 64 pairs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
@@ -47,6 +48,7 @@ MiningPlan plan_mining(int64_t batch, int64_t dim) {
   plan.chunk_rows = std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1), 1,
                                         std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
+  plan.vector = batch % kRowVector == 0 ? kRowVector : 1;
   plan.tile = kTile;
   return plan;
 }
@@ -102,11 +104,22 @@ __device__ __forceinline__ float warp_min(float x) {
 // anchor. bounds: [2, batch] (lower, upper), candidates then anchors.
 __global__ void __launch_bounds__(kRowThreads)
     gram_rows_kernel(MiningChunk chunk, MiningPlan plan, const int64_t* order, const float* mean,
-                     __nv_bfloat16* rounded, float2* bounds) {
+                     __nv_bfloat16* rounded, float2* bounds, int64_t* classes) {
   const int lane = threadIdx.x % 32;
   const int64_t s = int64_t(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
   if (s >= chunk.batch) return;
   const int64_t dim = chunk.dim;
+  if (lane < 2) {  // s's class range [first, last) in the sorted labels: lane 1 its end, lane 0 its start
+    const bool last = lane == 1;
+    const int64_t* labels = chunk.ids;
+    const int64_t my_id = labels[s];
+    int64_t lo = last ? s + 1 : 0, hi = last ? chunk.batch : s;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (last ? labels[mid] <= my_id : labels[mid] < my_id) lo = mid + 1; else hi = mid;
+    }
+    classes[2 * s + last] = lo;
+  }
   const float* row = chunk.embeddings + order[s] * dim;
   __nv_bfloat16* out = rounded + s * dim;
   float sq = 0.f, sum = 0.f, rounded_sq = 0.f, residual_sq = 0.f;
@@ -139,81 +152,97 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // A block per anchor row, the batch sorted by label: the anchor's positives are the columns of its
-// class's range, found by binary search in the sorted labels, so no label is read per candidate.
-// First the bounds (thread t takes columns t, t + 256, ...): a lower bound of the row's largest
-// positive squared distance, an upper bound of its smallest negative one, and each thread's most
-// promising positive and negative column with the runner-up's bound. A column whose interval can
-// beat the row's bound is a candidate and gets its exact distance from the whole warp: the true
-// extreme always is one, so it is always decided exactly. Threads whose runner-up is a candidate
-// too (or that saw a NaN approximation, always a candidate) walk their columns again. The warps
-// then combine their picks.
+// class's range (gram_rows_kernel's classes), the negatives every other column. Each pass works
+// on t = candidate term - 2 gram (d^2's interval is the anchor's term + t, rounding monotone in t,
+// so extremes of t are extremes of d^2). First the bounds: the negatives in 16-byte groups where
+// rows are aligned (thread t takes groups from kVector t, every kVector x 256 columns), the
+// class's columns strided over the block: a lower bound of the row's largest positive squared
+// distance, an upper bound of its smallest negative one, and each thread's most promising
+// positive and negative column with the runner-up's bound. A column whose interval can beat the
+// row's bound is a candidate and gets its exact distance from the whole warp: the true extreme
+// always is one, so it is always decided exactly. Threads whose runner-up is a candidate too (or
+// that saw a bound that is not finite) walk those columns again. The warps then combine picks.
+template <int kVector>
 __global__ void __launch_bounds__(kRowThreads)
     hardest_kernel(MiningChunk chunk, const float* gram, const float2* bounds,
-                   const int64_t* order, int64_t* positive, int64_t* negative, bool* valid) {
+                   const int64_t* classes, const int64_t* order, int64_t* positive,
+                   int64_t* negative, bool* valid) {
   constexpr int kWarps = kRowThreads / 32;
+  constexpr int kGroups = kRowUnroll / kVector;  // groups of columns loaded at once
   __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
   __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
-  __shared__ int64_t class_range[2];  // the anchor's class: its sorted columns [first, last)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
-  if (threadIdx.x < 2) {  // thread 1 finds the class's end, thread 0 its start
-    const bool last = threadIdx.x == 1;
-    const int64_t* labels = chunk.ids;
-    const int64_t my_id = labels[me];
-    int64_t lo = last ? me + 1 : 0, hi = last ? batch : me;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (last ? labels[mid] <= my_id : labels[mid] < my_id) lo = mid + 1; else hi = mid;
-    }
-    class_range[last] = lo;
-  }
-  __syncthreads();
-  const int64_t class_first = class_range[0], class_last = class_range[1];
+  const int64_t class_first = classes[2 * me], class_last = classes[2 * me + 1];
   const float* gram_row = gram + row * batch;
   const float2 mine = bounds[batch + me];  // bounds: candidate terms, then anchor terms
-  // Interval of d(me, c)^2 from c's Gram product and terms.
-  const auto interval = [&](float product, float2 terms) {
-    const float minus_two_gram = -2.f * product;
-    return make_float2(mine.x + (terms.x + minus_two_gram), mine.y + (terms.y + minus_two_gram));
+  const auto in_class = [&](int64_t c) {
+    return uint64_t(c - class_first) < uint64_t(class_last - class_first);
   };
-  const auto in_class = [&](int64_t c) { return c >= class_first && c < class_last; };
-  float floor = -INFINITY, ceiling = INFINITY;  // the row's, once reduced
-  // This thread's largest positive upper bound and the runner-up, smallest negative lower bound
-  // and the runner-up, and their columns.
-  float top = -INFINITY, next_top = -INFINITY, bottom = INFINITY, next_bottom = INFINITY;
-  int64_t top_column = -1, bottom_column = -1;
-  bool nan = false;
-  for (int64_t base = threadIdx.x; base < batch; base += kRowUnroll * kRowThreads) {
+  const auto column_of = [&](int64_t base, int u) {  // the u-th column loaded from base
+    return base + (u / kVector) * (kVector * kRowThreads) + u % kVector;
+  };
+  // Negatives: the smallest upper t, and the smallest lower t, its column and the runner-up.
+  float ceiling = INFINITY, bottom = INFINITY, next_bottom = INFINITY;
+  int64_t bottom_column = -1;
+  float negative_spans = 0.f;  // sum of upper - lower: not finite where a bound is not
+  for (int64_t base = int64_t(threadIdx.x) * kVector; base < batch;
+       base += kGroups * kVector * kRowThreads) {
     float products[kRowUnroll];
     float2 terms[kRowUnroll];
 #pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
-      const int64_t c = base + u * kRowThreads;
-      products[u] = c < batch ? gram_row[c] : 0.f;
-      terms[u] = c < batch ? bounds[c] : make_float2(0.f, 0.f);
-    }
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
-      const int64_t c = base + u * kRowThreads;
-      if (c >= batch || c == me) continue;
-      const float2 d2 = interval(products[u], terms[u]);
-      nan |= d2.x != d2.x || d2.y != d2.y;
-      if (in_class(c)) {
-        floor = fmaxf(floor, d2.x);
-        if (d2.y > top) {
-          next_top = top, top = d2.y, top_column = c;
-        } else {
-          next_top = fmaxf(next_top, d2.y);
-        }
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t c = column_of(base, g * kVector);
+      if constexpr (kVector == 4) {  // batch % 4 == 0: the group is whole and 16-byte aligned
+        const float4 p = c < batch ? *reinterpret_cast<const float4*>(gram_row + c)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 t0 = c < batch ? *reinterpret_cast<const float4*>(bounds + c)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 t1 = c < batch ? *reinterpret_cast<const float4*>(bounds + c + 2)
+                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        products[g * 4] = p.x, products[g * 4 + 1] = p.y;
+        products[g * 4 + 2] = p.z, products[g * 4 + 3] = p.w;
+        terms[g * 4] = make_float2(t0.x, t0.y), terms[g * 4 + 1] = make_float2(t0.z, t0.w);
+        terms[g * 4 + 2] = make_float2(t1.x, t1.y), terms[g * 4 + 3] = make_float2(t1.z, t1.w);
       } else {
-        ceiling = fminf(ceiling, d2.y);
-        if (d2.x < bottom) {
-          next_bottom = bottom, bottom = d2.x, bottom_column = c;
-        } else {
-          next_bottom = fminf(next_bottom, d2.x);
-        }
+        products[g] = c < batch ? gram_row[c] : 0.f;
+        terms[g] = c < batch ? bounds[c] : make_float2(0.f, 0.f);
       }
     }
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t first = column_of(base, g * kVector);
+      if (first >= batch) continue;
+      const bool meets_class = first < class_last && first + kVector > class_first;
+#pragma unroll
+      for (int j = 0; j < kVector; ++j) {
+        const int u = g * kVector + j;
+        const int64_t c = first + j;
+        if (meets_class && in_class(c)) continue;
+        const float lower = fmaf(-2.f, products[u], terms[u].x);
+        const float upper = fmaf(-2.f, products[u], terms[u].y);
+        negative_spans += upper - lower;
+        ceiling = fminf(ceiling, upper);
+        bottom_column = lower < bottom ? c : bottom_column;
+        next_bottom = fminf(next_bottom, fmaxf(bottom, lower));
+        bottom = fminf(bottom, lower);
+      }
+    }
+  }
+  // Positives: the largest lower t, and the largest upper t, its column and the runner-up.
+  float floor = -INFINITY, top = -INFINITY, next_top = -INFINITY;
+  int64_t top_column = -1;
+  float positive_spans = 0.f;
+  for (int64_t c = class_first + threadIdx.x; c < class_last; c += kRowThreads) {
+    if (c == me) continue;
+    const float product = gram_row[c];
+    const float2 terms = bounds[c];
+    const float lower = fmaf(-2.f, product, terms.x), upper = fmaf(-2.f, product, terms.y);
+    positive_spans += upper - lower;
+    floor = fmaxf(floor, lower);
+    top_column = upper > top ? c : top_column;
+    next_top = fmaxf(next_top, fminf(top, upper));
+    top = fmaxf(top, upper);
   }
   floor = warp_max(floor);
   ceiling = warp_min(ceiling);
@@ -223,8 +252,18 @@ __global__ void __launch_bounds__(kRowThreads)
     floor = fmaxf(floor, warp_floors[w]);
     ceiling = fminf(ceiling, warp_ceilings[w]);
   }
-  const bool walks = nan || (next_top > -INFINITY && next_top >= floor) ||
-                     (next_bottom < INFINITY && next_bottom <= ceiling);
+  // From t to d^2: the row's bounds, and this thread's best and runner-up.
+  const bool odd_anchor = !(fabsf(mine.x) < INFINITY && fabsf(mine.y) < INFINITY);
+  floor = floor > -INFINITY ? mine.x + floor : -INFINITY;
+  ceiling = ceiling < INFINITY ? mine.y + ceiling : INFINITY;
+  const auto as_upper = [&](float t) { return t > -INFINITY ? mine.y + t : -INFINITY; };
+  const auto as_lower = [&](float t) { return t < INFINITY ? mine.x + t : INFINITY; };
+  top = as_upper(top), next_top = as_upper(next_top);
+  bottom = as_lower(bottom), next_bottom = as_lower(next_bottom);
+  const bool walks_positives = odd_anchor || !(fabsf(positive_spans) < INFINITY) ||
+                               (next_top > -INFINITY && next_top >= floor);
+  const bool walks_negatives = odd_anchor || !(fabsf(negative_spans) < INFINITY) ||
+                               (next_bottom < INFINITY && next_bottom <= ceiling);
   const float* embeddings = chunk.embeddings;
   const float* anchor_row = embeddings + order[me] * chunk.dim;
   Pick best_positive{0.f, -1}, best_negative{0.f, -1};
@@ -240,29 +279,46 @@ __global__ void __launch_bounds__(kRowThreads)
       best_negative = exact;
     }
   };
+  // The warp decides the lanes' candidates of one step, c at each lane.
+  const auto decide_lanes = [&](bool is_candidate, int64_t c, bool is_positive) {
+    for (unsigned found = __ballot_sync(0xffffffffu, is_candidate); found != 0;
+         found &= found - 1) {
+      decide(__shfl_sync(0xffffffffu, c, __ffs(found) - 1), is_positive);
+    }
+  };
   // The threads that do not walk: their one positive and one negative candidate at most.
-  const unsigned tops = __ballot_sync(0xffffffffu, !walks && top_column >= 0 && top >= floor);
-  for (unsigned lanes = tops; lanes != 0; lanes &= lanes - 1)
-    decide(__shfl_sync(0xffffffffu, top_column, __ffs(lanes) - 1), true);
-  const unsigned bottoms =
-      __ballot_sync(0xffffffffu, !walks && bottom_column >= 0 && bottom <= ceiling);
-  for (unsigned lanes = bottoms; lanes != 0; lanes &= lanes - 1)
-    decide(__shfl_sync(0xffffffffu, bottom_column, __ffs(lanes) - 1), false);
-  if (__any_sync(0xffffffffu, walks)) {
-    for (int64_t first = int64_t(warp) * 32; first < batch; first += kRowThreads) {
+  decide_lanes(!walks_positives && top_column >= 0 && top >= floor, top_column, true);
+  decide_lanes(!walks_negatives && bottom_column >= 0 && bottom <= ceiling, bottom_column, false);
+  // The walking threads' columns again, a warp in step; a NaN interval is always a candidate.
+  const auto interval = [&](int64_t c) {
+    const float product = gram_row[c];
+    const float2 terms = bounds[c];
+    return make_float2(mine.x + fmaf(-2.f, product, terms.x),
+                       mine.y + fmaf(-2.f, product, terms.y));
+  };
+  if (__any_sync(0xffffffffu, walks_positives)) {
+    for (int64_t first = class_first + int64_t(warp) * 32; first < class_last;
+         first += kRowThreads) {
       const int64_t c = first + lane;
-      bool is_positive = false, is_candidate = false;
-      if (walks && c < batch && c != me) {
-        const float2 d2 = interval(gram_row[c], bounds[c]);
-        is_positive = in_class(c);
-        is_candidate = d2.x != d2.x || d2.y != d2.y ||
-                       (is_positive ? d2.y >= floor : d2.x <= ceiling);
+      bool is_candidate = false;
+      if (walks_positives && c < class_last && c != me) {
+        const float2 d2 = interval(c);
+        is_candidate = d2.x != d2.x || d2.y != d2.y || d2.y >= floor;
       }
-      const unsigned positives = __ballot_sync(0xffffffffu, is_candidate && is_positive);
-      for (unsigned found = __ballot_sync(0xffffffffu, is_candidate); found != 0;
-           found &= found - 1) {
-        const int bit = __ffs(found) - 1;
-        decide(first + bit, (positives >> bit) & 1u);
+      decide_lanes(is_candidate, c, true);
+    }
+  }
+  if (__any_sync(0xffffffffu, walks_negatives)) {
+    for (int64_t first = int64_t(warp) * 32 * kVector; first < batch;
+         first += kVector * kRowThreads) {
+      for (int j = 0; j < kVector; ++j) {
+        const int64_t c = first + lane * kVector + j;
+        bool is_candidate = false;
+        if (walks_negatives && c < batch && !in_class(c)) {
+          const float2 d2 = interval(c);
+          is_candidate = d2.x != d2.x || d2.y != d2.y || d2.x <= ceiling;
+        }
+        decide_lanes(is_candidate, c, false);
       }
     }
   }
@@ -433,20 +489,23 @@ __global__ void __launch_bounds__(kRowThreads)
 }  // namespace
 
 cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
-                             const float* mean, void* rounded, float* bounds,
+                             const float* mean, void* rounded, float* bounds, int64_t* classes,
                              cudaStream_t stream) {
   constexpr int kRowsPerBlock = kRowThreads / 32;
   gram_rows_kernel<<<(chunk.batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
       chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded),
-      reinterpret_cast<float2*>(bounds));
+      reinterpret_cast<float2*>(bounds), classes);
   return cudaGetLastError();
 }
 
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
-                           const float* bounds, const int64_t* order, int64_t* positive,
-                           int64_t* negative, bool* valid, cudaStream_t stream) {
-  hardest_kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
-      chunk, gram, reinterpret_cast<const float2*>(bounds), order, positive, negative, valid);
+                           const float* bounds, const int64_t* classes, const int64_t* order,
+                           int64_t* positive, int64_t* negative, bool* valid,
+                           cudaStream_t stream) {
+  const auto kernel = plan.vector == 4 ? hardest_kernel<4> : hardest_kernel<1>;
+  kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
+      chunk, gram, reinterpret_cast<const float2*>(bounds), classes, order, positive, negative,
+      valid);
   return cudaGetLastError();
 }
 

@@ -13,6 +13,7 @@ namespace fused_triplet {
 struct MiningPlan {
   int64_t chunk_rows;     // anchors per chunk: a chunk x batch float buffer stays within its budget
   int row_block;          // threads per block of the row kernels (a block per anchor row)
+  int vector;             // hardest_kernel's columns per load: 4 (16 bytes) or 1
   float gram_bound;       // the Gram products' accumulation error, relative to |x~_i| |x~_c|
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
   int tile;               // the distance kernel's square tile of (anchor, candidate) pairs
@@ -32,9 +33,11 @@ struct MiningChunk {
 
 // batch_hard's Gram inputs for the whole batch (chunk.first and rows unused), sorted by label:
 // rounded [batch, dim] bfloat16, the embedding order[s] less mean ([dim] float) at row s, and
-// bounds [2, batch, 2] float, the terms of launch_hardest.
+// bounds [2, batch, 2] float, the terms of launch_hardest; classes [batch, 2] int64, each sorted
+// position's class range [first, last) in the sorted labels (chunk.ids).
 cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
-                             const float* mean, void* rounded, float* bounds, cudaStream_t stream);
+                             const float* mean, void* rounded, float* bounds, int64_t* classes,
+                             cudaStream_t stream);
 
 // batch_hard: the hardest positive and negative of each anchor of the chunk, the batch sorted by
 // label: ids the sorted labels, order[s] the embedding at sorted position s, and the chunk's rows
@@ -46,8 +49,9 @@ cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, c
 // indices of the embeddings, by embedding (the anchor itself where there is none); valid: 1
 // where the anchor has both.
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
-                           const float* bounds, const int64_t* order, int64_t* positive,
-                           int64_t* negative, bool* valid, cudaStream_t stream);
+                           const float* bounds, const int64_t* classes, const int64_t* order,
+                           int64_t* positive, int64_t* negative, bool* valid,
+                           cudaStream_t stream);
 
 // The exact distances of the chunk's anchors to every embedding: dists [rows, batch] float,
 // torch's pairwise_distance (p = 2, eps inside the norm).

@@ -112,18 +112,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
   const MiningPlan plan = plan_mining(batch, embeddings.size(1));
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
   at::Tensor bounds = at::empty({2, batch, 2}, embeddings.options());
+  at::Tensor classes = at::empty({batch, 2}, call.labels.options());
   const at::Tensor mean = embeddings.mean(0);
   C10_CUDA_CHECK(launch_gram_rows(whole_batch(embeddings, sorted_labels, 0.0, eps), plan,
                                   order.data_ptr<int64_t>(), mean.data_ptr<float>(),
                                   rounded.data_ptr(), bounds.data_ptr<float>(),
-                                  stream_of(embeddings)));
+                                  classes.data_ptr<int64_t>(), stream_of(embeddings)));
   at::Tensor gram = at::empty({plan.chunk_rows, batch}, embeddings.options());
   for_each_chunk(embeddings, sorted_labels, 0.0, eps, plan,
                  [&](const MiningChunk& chunk, cudaStream_t s) {
     at::Tensor rows = gram.narrow(0, 0, chunk.rows);
     at::mm_out(rows, rounded.narrow(0, chunk.first, chunk.rows), rounded.t(), at::kFloat);
     C10_CUDA_CHECK(launch_hardest(chunk, plan, rows.data_ptr<float>(), bounds.data_ptr<float>(),
-                                  order.data_ptr<int64_t>(), positive.data_ptr<int64_t>(),
+                                  classes.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
+                                  positive.data_ptr<int64_t>(),
                                   negative.data_ptr<int64_t>(), valid.data_ptr<bool>(), s));
   });
   return {positive, negative, valid};

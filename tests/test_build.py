@@ -107,8 +107,9 @@ def test_few_kernels_no_spills_and_no_stack(build_log):
     for arch in archs:
         count = sum(1 for name, a in kernels if a == arch and not any(m in name for m in mining))
         assert 40 <= count <= 100, f"{count} triplet kernel functions for {arch}"
-        # the mining kernels read float (2-byte embeddings cast exactly): one function each
-        assert sum(1 for name, a in kernels if a == arch and any(m in name for m in mining)) == 4
+        # the mining kernels read float (2-byte embeddings cast exactly): one function each, and
+        # hardest_kernel in two load widths (16-byte loads where the Gram rows are aligned)
+        assert sum(1 for name, a in kernels if a == arch and any(m in name for m in mining)) == 5
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                        build_log)
     assert len(props) >= len(kernels)
