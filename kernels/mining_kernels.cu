@@ -28,6 +28,7 @@ constexpr int64_t kChunkFloats = int64_t(1) << 26;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
 constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
+constexpr int kDistanceUnroll = 8;  // exact distances: elements of each row a lane loads at once
 constexpr int kTile = 64;         // distances: 64 x 64 pairs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
@@ -48,7 +49,8 @@ MiningPlan plan_mining(int64_t batch, int64_t dim) {
   plan.chunk_rows = std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1), 1,
                                         std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
-  plan.vector = batch % kRowVector == 0 ? kRowVector : 1;
+  // 16-byte groups only where every thread gets one: below, most warps would get no columns.
+  plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
   plan.tile = kTile;
   return plan;
 }
@@ -60,7 +62,18 @@ namespace {
 __device__ float exact_sq_distance(const float* a, const float* b, int64_t dim, float eps,
                                    int lane) {
   float acc = 0.f;
-  for (int64_t k = lane; k < dim; k += 32) {
+  int64_t k = lane;
+  for (; k + 32 * (kDistanceUnroll - 1) < dim; k += 32 * kDistanceUnroll) {
+    float x[kDistanceUnroll], y[kDistanceUnroll];
+#pragma unroll
+    for (int u = 0; u < kDistanceUnroll; ++u) x[u] = a[k + 32 * u], y[u] = b[k + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kDistanceUnroll; ++u) {
+      const float v = (x[u] - y[u]) + eps;
+      acc = fmaf(v, v, acc);
+    }
+  }
+  for (; k < dim; k += 32) {
     const float v = (a[k] - b[k]) + eps;
     acc = fmaf(v, v, acc);
   }

@@ -239,15 +239,31 @@ def test_kernels_match_the_reference(mining, reduction, dtype, batch, dim, class
 
 
 @requires_cuda
+@pytest.mark.parametrize("batch", [512, 2048, 2046])  # 2048: 16-byte loads of the Gram rows
 @pytest.mark.parametrize("offset,spread", [(0.0, 1.0), (1e3, 1e-2), (0.0, 1e-4)])
-def test_batch_hard_mines_the_true_extremes(offset, spread):
+def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
     # Far from the origin, close together, or both: the Gram products' candidates must still be
     # decided by the exact distance.
     g = torch.Generator().manual_seed(11)
-    x = (offset + spread * torch.randn(512, 64, generator=g, dtype=torch.float64)).float().double()
-    labels = torch.randint(0, 16, (512,), generator=g)
+    x = (offset + spread * torch.randn(batch, 64, generator=g, dtype=torch.float64)).float().double()
+    labels = torch.randint(0, 16, (batch,), generator=g)
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
     got = ft._ops().mine_batch_hard(x.float().cuda(), labels.cuda(), 1e-6)
+    for ours, theirs in zip(got, want):
+        assert torch.equal(ours.cpu(), theirs)
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch", [64, 2048])
+def test_batch_hard_with_nan_and_inf_rows(batch):
+    # torch's max and min propagate NaN: a NaN distance is the hardest positive and negative.
+    # The reference in float32, as torch's pairwise_distance gives it for float32 embeddings.
+    x, labels = labelled_batch(batch, 16, 6, dtype=torch.float32, seed=batch)
+    x[3, 2] = float("nan")
+    x[10, 0], x[11, 0], x[12, 5] = float("inf"), float("-inf"), float("inf")
+    x[20] = 1e30  # finite, but its squared distances overflow: ties of inf, the first index
+    want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
+    got = ft._ops().mine_batch_hard(x.cuda(), labels.cuda(), 1e-6)
     for ours, theirs in zip(got, want):
         assert torch.equal(ours.cpu(), theirs)
 
