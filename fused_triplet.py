@@ -92,9 +92,9 @@ def cpp_source() -> str:
 # ---------------------------------------------------------------------------------------------
 
 CXX_FLAGS = ["-O2"]
-# A first build on 2 cores for one architecture (the host compiler's pass over torch's headers
-# takes most of it).
-BUILD_TIME = "about 12 s" if KERNELBENCH else "about 30 s"
+# A first build on 2 cores for one architecture (the library's: the host compiler's pass over
+# torch's headers takes most of it; the KernelBench file compiles none).
+BUILD_TIME = "about 8 s" if KERNELBENCH else "about 30 s"
 _library_path = None
 
 
@@ -237,7 +237,8 @@ def build(verbose: bool = False) -> str:
     if marker and os.path.exists(marker) and os.path.exists(library):
         # Built before for these sources and this torch: load it directly (no toolkit needed,
         # none of load_inline's checks).
-        torch.ops.load_library(library)
+        if not KERNELBENCH:  # the KernelBench file's library registers no ops (ctypes loads it)
+            torch.ops.load_library(library)
         return _finish_loading(library)
     cpp_extension = _cpp_extension(verbose) if KERNEL_SOURCES else None
     problem = _build_problem(cpp_extension)
@@ -278,11 +279,68 @@ build._dynamo_marked_constant = True
 
 
 def _finish_loading(path: str) -> str:
-    global _library_path
+    global _library_path, _kernelbench_forward_entry
     if _library_path is None:  # set first: a concurrent first call must not register twice
+        if KERNELBENCH:
+            _kernelbench_forward_entry = _kernelbench_entry(path)
         _library_path = path
-        _register_python_parts()
+        if not KERNELBENCH:
+            _register_python_parts()
     return path
+
+
+# The KernelBench file's forward: kernels/kernelbench_entry.cu's C function, through ctypes.
+_kernelbench_forward_entry = None
+
+
+def _kernelbench_entry(path: str):
+    import ctypes
+
+    library = ctypes.CDLL(path)
+    entry = library.fused_triplet_kernelbench_forward
+    pointer, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    entry.argtypes = [pointer, pointer, pointer, ctypes.POINTER(i64), i64, i64, f64, f64, i64,
+                      pointer, pointer, pointer, ctypes.POINTER(i64), pointer]
+    entry.restype = ctypes.c_int
+    library.fused_triplet_kernelbench_error.argtypes = [ctypes.c_int]
+    library.fused_triplet_kernelbench_error.restype = ctypes.c_char_p
+    entry.error = library.fused_triplet_kernelbench_error
+    return entry
+
+
+def _kernelbench_forward(anchor: Tensor, positive: Tensor, negative: Tensor, margin: float,
+                         eps: float, reduction: int) -> Tensor:
+    """The KernelBench file's fused forward on inputs _kernelbench_takes() took (float32, p = 2,
+    no swap, one shape on one CUDA device), as the library's op computes it."""
+    import ctypes
+
+    build()
+    batch, dim = anchor.shape[:-1], anchor.shape[-1]
+    rows = math.prod(batch)
+    loss = anchor.new_empty(batch if reduction == 0 else ())
+    if rows == 0:  # torch: the mean of nothing is nan, the sum of nothing 0
+        return loss.fill_(math.nan) if reduction == 1 else loss.zero_()
+    # (rows, dim) views with unit element stride (a broadcast row keeps row stride 0)
+    views = [x.reshape(rows, dim) for x in (anchor, positive, negative)]
+    views = [v.contiguous() if dim > 1 and v.stride(1) != 1 else v for v in views]
+    dists = anchor.new_empty((2, rows))
+    strides = (ctypes.c_int64 * 3)(*(v.stride(0) for v in views))
+    with torch.cuda.device(anchor.device):
+        stream = torch.cuda.current_stream().cuda_stream
+        need = ctypes.c_int64(0)
+        workspace = None
+        args = [*(v.data_ptr() for v in views), strides, rows, dim, float(margin), float(eps),
+                reduction, loss.data_ptr(), dists.data_ptr()]
+        code = _kernelbench_forward_entry(*args, None, ctypes.byref(need), stream)
+        if code == -1:  # the plan's workspace, then the launch
+            workspace = torch.empty(need.value, dtype=torch.uint8, device=anchor.device)
+            code = _kernelbench_forward_entry(*args, workspace.data_ptr(), ctypes.byref(need),
+                                              stream)
+    if code != 0:
+        what = ("the kernels do not take this problem" if code < 0
+                else _kernelbench_forward_entry.error(code).decode())
+        raise RuntimeError(f"fused_triplet (KernelBench file): {what}")
+    return loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,15 +412,14 @@ def _register_python_parts() -> None:
     torch.ops.fused_triplet.set_hinge_at_zero(_hinge_passes_at_zero())  # the C++ side keeps it
     _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
     torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
-    if not KERNELBENCH:  # the KernelBench file has the forward op alone
-        torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
-            _triplet_backward_fake)
-        torch.library.register_fake("fused_triplet::mine_batch_hard")(_mine_batch_hard_fake)
-        torch.library.register_fake("fused_triplet::batch_all_loss")(_batch_all_fake)
-        torch.library.register_fake("fused_triplet::batch_all_loss_backward")(
-            _batch_all_backward_fake)
-        torch.library.register_autograd("fused_triplet::batch_all_loss", _batch_all_backward,
-                                        setup_context=_batch_all_setup)
+    torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
+        _triplet_backward_fake)
+    torch.library.register_fake("fused_triplet::mine_batch_hard")(_mine_batch_hard_fake)
+    torch.library.register_fake("fused_triplet::batch_all_loss")(_batch_all_fake)
+    torch.library.register_fake("fused_triplet::batch_all_loss_backward")(
+        _batch_all_backward_fake)
+    torch.library.register_autograd("fused_triplet::batch_all_loss", _batch_all_backward,
+                                    setup_context=_batch_all_setup)
 
 
 def _ops():
@@ -526,6 +583,8 @@ def _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps
     if not anchor.shape == positive.shape == negative.shape:
         # views: a broadcast row becomes row stride 0 in the kernel
         inputs = tuple(x.expand(shape) for x in inputs)
+    if KERNELBENCH:
+        return _kernelbench_forward(*inputs, margin, eps, reduction)
     args = (*inputs, float(margin), float(p), float(eps), bool(swap), reduction)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             anchor.requires_grad or positive.requires_grad or negative.requires_grad)):
@@ -814,8 +873,9 @@ def _kernelbench_source(name: str, text: str) -> str:
 
 KERNELBENCH_NOTE = """
 KernelBench file (level 1 problem 99's ModelNew): its kernels are the float32 forward for
-p = 2 without swap; every other call (other dtypes or p, swap, gradients) takes the torch path,
-correct but not fused. `python fused_triplet.py --export PATH` writes the whole library.
+p = 2 without swap, called through ctypes (its build compiles no torch headers); every other
+call (other dtypes or p, swap, gradients) takes the torch path, correct but not fused.
+`python fused_triplet.py --export PATH` writes the whole library.
 """
 
 

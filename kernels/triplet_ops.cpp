@@ -3,9 +3,10 @@
 //
 // Autograd is in C++ (registered for the Autograd key) rather than Python: on small inputs a
 // Python autograd layer took more host time per training step than the kernels took on the GPU.
-// Fake kernels (shapes only, for torch.compile) are registered from fused_triplet.py. Lines
-// marked library-only are left out of the KernelBench file (its forward op alone, float32,
-// p = 2 without swap; fused_triplet.export).
+// Fake kernels (shapes only, for torch.compile) are registered from fused_triplet.py. The
+// KernelBench file leaves this file out (fused_triplet.export): its forward goes through
+// kernelbench_entry.cu's C function, so its build compiles no torch headers.
+// library-only {
 #include "check_text.h"
 #include "triplet_launch.h"
 
@@ -23,7 +24,6 @@
 #include <limits>
 #include <mutex>
 #include <optional>
-// library-only {
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/triplet_margin_loss.h>
@@ -36,7 +36,6 @@
 #include <cstring>
 #include <functional>
 #include <unordered_map>
-// library-only }
 
 namespace fused_triplet {
 namespace {
@@ -51,10 +50,10 @@ std::atomic<bool> hinge_at_zero{false};
 // floating in c10, and the kernels would read them as wider elements).
 std::optional<DType> kernel_dtype(at::ScalarType type) {
   switch (type) {
-    case at::kHalf: return DType::kHalf;          // library-only
-    case at::kBFloat16: return DType::kBFloat16;  // library-only
+    case at::kHalf: return DType::kHalf;
+    case at::kBFloat16: return DType::kBFloat16;
     case at::kFloat: return DType::kFloat;
-    case at::kDouble: return DType::kDouble;      // library-only
+    case at::kDouble: return DType::kDouble;
     default: return std::nullopt;
   }
 }
@@ -82,8 +81,7 @@ void check_inputs(const at::Tensor& a, const at::Tensor& p, const at::Tensor& n,
               "fused_triplet: anchor, positive and negative must have one dtype, got ",
               a.scalar_type(), ", ", p.scalar_type(), ", ", n.scalar_type());
   TORCH_CHECK(kernel_dtype(a.scalar_type()).has_value(),
-              "fused_triplet: expected float16, bfloat16, float32 or float64 inputs, got ",  // library-only
-              // kernelbench-only: "fused_triplet (KernelBench file): expected float32 inputs, got ",
+              "fused_triplet: expected float16, bfloat16, float32 or float64 inputs, got ",
               a.scalar_type());
   TORCH_CHECK(a.dim() >= 1, "fused_triplet: expected inputs with at least 1 dimension");
   TORCH_CHECK(p.sizes() == a.sizes() && n.sizes() == a.sizes(),
@@ -162,7 +160,6 @@ LaunchPlan forward_plan(const TripletProblem& pr, int64_t family, bool write_gra
   return plan;
 }
 
-// library-only {
 LaunchPlan backward_plan(const TripletProblem& pr, int64_t family, bool after_one_pass) {
   const LaunchPlan plan = plan_backward(pr, static_cast<BackwardFamily>(family), after_one_pass);
   TORCH_CHECK(plan.unfit == nullptr, "fused_triplet: the asked-for backward family cannot run: ",
@@ -262,13 +259,12 @@ void end_step(StepPlaces* places) {
   const std::lock_guard<std::mutex> lock(places_mutex);
   places->next = 0;
 }
-// library-only }
 
 // ---- forward -----------------------------------------------------------------------------------
 
 struct ForwardResult {
   at::Tensor loss, dists;
-  StepPlaces* places = nullptr;       // a training forward's problem, whose backward ends a step  // library-only
+  StepPlaces* places = nullptr;       // a training forward's problem, whose backward ends a step
   bool one_pass = false;              // the one-pass kernel ran:
   std::array<at::Tensor, 3> grads;    // its gradients (undefined where not wanted),
   at::Tensor predicted;               // per row the upstream gradient they assume,
@@ -303,19 +299,14 @@ ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
   const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap, reduction,
                                          float32_loss);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // kernelbench-only: TORCH_CHECK(p == 2.0 && !swap, "fused_triplet (KernelBench file): the kernels take p = 2 without swap");
-  // kernelbench-only: (void)wants;
   bool write_grads = false;
-  // library-only {
   if (wants[0] || wants[1] || wants[2]) {
     out.places = places_of(key_of(pr, anchor.get_device()), anchor, stream);
   }
   if (reduction != kNone && out.places != nullptr) out.history = take_place(out.places);
   write_grads = out.history != nullptr;
-  // library-only }
   const LaunchPlan plan = forward_plan(pr, family, write_grads);
   OnePassOutputs one_pass{nullptr, nullptr, nullptr, hinge_at_zero.load(), out.history, nullptr};
-  // library-only {
   if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
     out.one_pass = true;
     void** ptrs[3] = {&one_pass.grad_a, &one_pass.grad_p, &one_pass.grad_n};
@@ -327,7 +318,6 @@ ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
     out.predicted = at::empty({rows}, opts.dtype(at::kFloat));
     one_pass.predicted = out.predicted.data_ptr<float>();
   }
-  // library-only }
   at::Tensor workspace =
       at::empty({static_cast<int64_t>(plan.workspace_bytes)}, opts.dtype(at::kByte));
   C10_CUDA_CHECK(launch_forward(pr, plan, out.loss.data_ptr(), out.dists.data_ptr(),
@@ -347,7 +337,6 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& anchor,
   return {out.loss, out.dists};
 }
 
-// library-only {
 // ---- backward ----------------------------------------------------------------------------------
 
 // A backward over the inputs' (rows, dim) views into `grads` (undefined where not needed). After
@@ -599,13 +588,11 @@ std::tuple<at::Tensor, at::Tensor> forward_autocast(
                            float32_loss || one_two_byte_dtype, forward_family, backward_family);
 }
 
-// library-only }
 
 // ---- tests' view ---------------------------------------------------------------------------------
 
 void set_hinge_at_zero(bool value) { hinge_at_zero.store(value); }
 
-// library-only {
 // Which kernels the ops would launch for these inputs (already broadcast to one shape), with the
 // families asked for: "forward ...; training ...; backward ...; training backward ..." (a one
 // pass asked for applies to the training forward).
@@ -646,7 +633,6 @@ at::Tensor upstream_history(const at::Tensor& anchor, const at::Tensor& positive
   if (it == step_places->end()) return at::empty({0, 2}, anchor.options().dtype(at::kInt));
   return it->second.histories.view({kPlacesPerStep, 2}).clone();
 }
-// library-only }
 
 }  // namespace
 }  // namespace fused_triplet
@@ -663,7 +649,6 @@ TORCH_LIBRARY(fused_triplet, m) {
       "triplet_margin_loss(Tensor anchor, Tensor positive, Tensor negative, float margin, "
       "float p, float eps, bool swap, int reduction, bool float32_loss=False, "
       "int forward_family=-1, int backward_family=-1) -> (Tensor, Tensor)");
-  // library-only {
   // The gradients of (anchor, positive, negative) given the loss's upstream gradient (in the
   // loss's dtype) and the forward's dists; output_mask says which are needed (the others come
   // back empty). hinge_at_zero: whether clamp_min passes the gradient at exactly 0 (torch <= 2.13
@@ -680,19 +665,17 @@ TORCH_LIBRARY(fused_triplet, m) {
   m.def(
       "upstream_history(Tensor anchor, Tensor positive, Tensor negative, float margin, float p, "
       "float eps, bool swap, int reduction, bool float32_loss=False) -> Tensor");
-  // library-only }
   // Set once when the library loads, from a probe of the installed torch.
   m.def("set_hinge_at_zero(bool value) -> ()", &fused_triplet::set_hinge_at_zero);
 }
 
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
   m.impl("triplet_margin_loss", &fused_triplet::forward_cuda);
-  m.impl("triplet_margin_loss_backward", &fused_triplet::backward_cuda);  // library-only
-  m.impl("describe_plans", &fused_triplet::describe_plans);               // library-only
-  m.impl("upstream_history", &fused_triplet::upstream_history);           // library-only
+  m.impl("triplet_margin_loss_backward", &fused_triplet::backward_cuda);
+  m.impl("describe_plans", &fused_triplet::describe_plans);
+  m.impl("upstream_history", &fused_triplet::upstream_history);
 }
 
-// library-only {
 TORCH_LIBRARY_IMPL(fused_triplet, Autograd, m) {
   m.impl("triplet_margin_loss", &fused_triplet::forward_autograd);
 }
