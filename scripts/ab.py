@@ -169,7 +169,8 @@ def ab_mining(libraries: dict, first: str, rounds: int) -> list:
             fn(e, labels)
             e.grad = None
             extra[name] = bench.peak_extra(fn, e, labels)[1] / 2**20
-        times = bench.time_interleaved(fns, (e, labels), rounds if batch <= 16384 else 5, 2)
+        times = bench.time_interleaved(fns, (e, labels), rounds if batch <= 16384 else 5, 2,
+                                       lead_factor=bench.MINING_LEAD_FACTOR)
         ms = {name: statistics.median(t) for name, t in times.items()}
         row = {"mode": f"mined {mining}", "shape": [batch, dim], "dtype": dtype_name, **ms,
                "extra_mib": extra, "new_over_base": ms["new"] / ms[first]}
