@@ -291,6 +291,10 @@ def _finish_loading(path: str) -> str:
 
 # The KernelBench file's forward: kernels/kernelbench_entry.cu's C function, through ctypes.
 _kernelbench_forward_entry = None
+# The workspace each problem's plan asked for (device, rows, dim, strides, reduction: bytes), so
+# that a repeated problem makes one call: KernelBench's timing sees a call's host time once it
+# outlasts the L2 flush before it.
+_kernelbench_workspace = {}
 
 
 def _kernelbench_entry(path: str):
@@ -299,7 +303,7 @@ def _kernelbench_entry(path: str):
     library = ctypes.CDLL(path)
     entry = library.fused_triplet_kernelbench_forward
     pointer, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    entry.argtypes = [pointer, pointer, pointer, ctypes.POINTER(i64), i64, i64, f64, f64, i64,
+    entry.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, i64, f64, f64, i64,
                       pointer, pointer, pointer, ctypes.POINTER(i64), pointer]
     entry.restype = ctypes.c_int
     library.fused_triplet_kernelbench_error.argtypes = [ctypes.c_int]
@@ -321,21 +325,26 @@ def _kernelbench_forward(anchor: Tensor, positive: Tensor, negative: Tensor, mar
     if rows == 0:  # torch: the mean of nothing is nan, the sum of nothing 0
         return loss.fill_(math.nan) if reduction == 1 else loss.zero_()
     # (rows, dim) views with unit element stride (a broadcast row keeps row stride 0)
-    views = [x.reshape(rows, dim) for x in (anchor, positive, negative)]
-    views = [v.contiguous() if dim > 1 and v.stride(1) != 1 else v for v in views]
+    views = (anchor, positive, negative)
+    if len(batch) != 1:
+        views = tuple(x.reshape(rows, dim) for x in views)
+    if dim > 1 and not views[0].stride(1) == views[1].stride(1) == views[2].stride(1) == 1:
+        views = tuple(v.contiguous() if v.stride(1) != 1 else v for v in views)
     dists = anchor.new_empty((2, rows))
-    strides = (ctypes.c_int64 * 3)(*(v.stride(0) for v in views))
+    strides = tuple(v.stride(0) for v in views)
+    key = (anchor.device, rows, dim, strides, reduction)
+    need = ctypes.c_int64(_kernelbench_workspace.get(key, 0))
     with torch.cuda.device(anchor.device):
         stream = torch.cuda.current_stream().cuda_stream
-        need = ctypes.c_int64(0)
-        workspace = None
-        args = [*(v.data_ptr() for v in views), strides, rows, dim, float(margin), float(eps),
+        args = [*(v.data_ptr() for v in views), *strides, rows, dim, float(margin), float(eps),
                 reduction, loss.data_ptr(), dists.data_ptr()]
-        code = _kernelbench_forward_entry(*args, None, ctypes.byref(need), stream)
-        if code == -1:  # the plan's workspace, then the launch
+        for _ in range(2):  # the first call of a problem learns its plan's workspace
             workspace = torch.empty(need.value, dtype=torch.uint8, device=anchor.device)
             code = _kernelbench_forward_entry(*args, workspace.data_ptr(), ctypes.byref(need),
                                               stream)
+            if code != -1:
+                break
+            _kernelbench_workspace[key] = need.value
     if code != 0:
         what = ("the kernels do not take this problem" if code < 0
                 else _kernelbench_forward_entry.error(code).decode())

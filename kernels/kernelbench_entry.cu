@@ -14,12 +14,12 @@
 namespace {
 
 fused_triplet::TripletProblem kernelbench_problem(const void* a, const void* p, const void* n,
-                                                  const int64_t* strides, int64_t rows,
-                                                  int64_t dim, double margin, double eps,
-                                                  int64_t reduction) {
+                                                  int64_t stride_a, int64_t stride_p,
+                                                  int64_t stride_n, int64_t rows, int64_t dim,
+                                                  double margin, double eps, int64_t reduction) {
   fused_triplet::TripletProblem pr{};
   pr.a = a, pr.p = p, pr.n = n;
-  pr.stride_a = strides[0], pr.stride_p = strides[1], pr.stride_n = strides[2];
+  pr.stride_a = stride_a, pr.stride_p = stride_p, pr.stride_n = stride_n;
   pr.rows = rows, pr.dim = dim;
   pr.dtype = fused_triplet::DType::kFloat;
   pr.margin = margin, pr.p_norm = 2.0, pr.eps = eps;
@@ -40,8 +40,9 @@ fused_triplet::TripletProblem kernelbench_problem(const void* a, const void* p, 
 // (call again with one as large), -2 where the problem is not one the kernels take, else the
 // first CUDA error.
 extern "C" int fused_triplet_kernelbench_forward(const void* a, const void* p, const void* n,
-                                                 const int64_t* strides, int64_t rows,
-                                                 int64_t dim, double margin, double eps,
+                                                 int64_t stride_a, int64_t stride_p,
+                                                 int64_t stride_n, int64_t rows, int64_t dim,
+                                                 double margin, double eps,
                                                  int64_t reduction, void* loss, void* dists,
                                                  void* workspace, int64_t* workspace_bytes,
                                                  void* stream) {
@@ -50,7 +51,8 @@ extern "C" int fused_triplet_kernelbench_forward(const void* a, const void* p, c
     return -2;
   }
   const fused_triplet::TripletProblem pr =
-      kernelbench_problem(a, p, n, strides, rows, dim, margin, eps, reduction);
+      kernelbench_problem(a, p, n, stride_a, stride_p, stride_n, rows, dim, margin, eps,
+                          reduction);
   if (pr.sm_count <= 0) {  // no device facts: the error that hid them
     const cudaError_t err = cudaGetLastError();
     return err != cudaSuccess ? static_cast<int>(err) : -2;
