@@ -8,8 +8,12 @@ gradients 1 and 0.5: contiguous, strided and split rows, whole fp16/bf16 rows (t
 chunks), a row whose last chunk is 16 bytes, a short last slice, float32 rows in the ring's tiles
 (teams of 8 and 32, rows ending mid-stage, a last row group not full, strided). Then the in-batch
 mining kernels, forward and backward: one embedding, one label, anchors without positives,
-uneven labels, odd dims, batch_hard's 16-byte Gram loads, fp32 and bf16. `--mining`: the mining
-kernels alone.
+uneven labels, odd dims, batch_hard's 16-byte Gram loads, fp32 and bf16.
+
+    python scripts/sanitize_driver.py [PART ...]   (plans, rows, ring, onepass, mining; default all)
+
+scripts/sanitize.sh runs each part in a process of its own: under racecheck the tool's host
+memory grows with every launch, and the parts together outgrew a 128 GiB host.
 """
 import math
 import os
@@ -43,7 +47,7 @@ def step(xs, families=(-1, -1), p=2.0, swap=False):
         (weight * loss).backward()
 
 
-def triplet_kernels():
+def plans():
     for shape in [(37, 3), (64, 257), (128, 8), (64, 100), (9, 3000), (4, 8192), (3, 20000)]:
         for offset in (0, 1):  # 1: misaligned storage, the scalar path
             base = [torch.rand(shape[0] * shape[1] + offset, device="cuda") for _ in range(3)]
@@ -52,6 +56,8 @@ def triplet_kernels():
                 for swap in (False, True):
                     step(xs, p=pnorm, swap=swap)
 
+
+def families_asked(families):
     cases = []  # (shape, width of the storage rows, dtype)
     cases += [((4200, 1024), 1024, torch.float32), ((1500, 3000), 3008, torch.float32),
               ((40001, 100), 100, torch.float32), ((9003, 300), 304, torch.float32),
@@ -59,13 +65,12 @@ def triplet_kernels():
     cases += [((4, 8192), 8192, d) for d in (torch.bfloat16, torch.float16)]
     cases += [((4, 4104), 4104, torch.bfloat16), ((3, 20000), 20000, torch.bfloat16),
               ((64, 2048), 2048, torch.float64)]
-    for families in ((0, 0), (1, 1), (2, -1)):
-        for shape, width, dtype in cases:
-            xs = [torch.rand(shape[0], width, device="cuda", dtype=dtype)[:, :shape[1]]
-                  for _ in range(3)]
-            for pnorm in (2.0, 1.0):
-                if can_run(xs, pnorm, families):
-                    step(xs, families, p=pnorm, swap=True)
+    for shape, width, dtype in cases:
+        xs = [torch.rand(shape[0], width, device="cuda", dtype=dtype)[:, :shape[1]]
+              for _ in range(3)]
+        for pnorm in (2.0, 1.0):
+            if can_run(xs, pnorm, families):
+                step(xs, families, p=pnorm, swap=True)
 
 
 def mining_kernels():
@@ -81,8 +86,10 @@ def mining_kernels():
                 ft.mined_triplet_margin_loss(e, labels, mining).backward()
 
 
-if "--mining" not in sys.argv:
-    triplet_kernels()
-mining_kernels()
+PARTS = {"plans": plans, "rows": lambda: families_asked((0, 0)),
+         "ring": lambda: families_asked((1, 1)), "onepass": lambda: families_asked((2, -1)),
+         "mining": mining_kernels}
+for name in sys.argv[1:] or PARTS:
+    PARTS[name]()
 torch.cuda.synchronize()
 print("sanitize driver: done")
