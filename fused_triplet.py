@@ -392,28 +392,25 @@ def _mine_batch_hard_fake(embeddings, labels, eps):
     return labels.new_empty(batch), labels.new_empty(batch), labels.new_empty(batch, dtype=torch.bool)
 
 
-def _batch_all_fake(embeddings, labels, margin, eps):
-    return embeddings.new_empty(embeddings.shape[0], dtype=torch.float32), labels.new_empty(
-        embeddings.shape[0])
+def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_backward=False):
+    batch = embeddings.shape[0]
+    floats = dict(dtype=torch.float32)
+    loss = embeddings.new_empty(batch if reduction == 0 else (), **floats)
+    if mining == 0:
+        state = embeddings.new_empty((4, batch), dtype=torch.float64)
+    else:
+        kept = for_backward and batch <= _MINING_WHOLE_ROWS[mining]
+        state = embeddings.new_empty((batch, batch) if kept else (0, 0), **floats)
+    return loss, embeddings.new_empty((), **floats), state
 
 
-def _batch_all_backward_fake(grad, embeddings, labels, margin, eps):
+def _mined_loss_backward_fake(grad, embeddings, labels, count, state, mining, margin, eps,
+                              reduction, hinge_at_zero):
     return embeddings.new_empty(embeddings.shape)
 
 
-def _batch_all_setup(ctx, inputs, output):
-    embeddings, labels, ctx.margin, ctx.eps = inputs
-    ctx.save_for_backward(embeddings, labels)
-
-
-def _batch_all_backward(ctx, grad_loss, grad_active):
-    embeddings, labels = ctx.saved_tensors
-    grad = torch.ops.fused_triplet.batch_all_loss_backward(
-        grad_loss.float().contiguous(), embeddings, labels, ctx.margin, ctx.eps)
-    return grad, None, None, None
-
-
 _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once loaded
+_MINING_WHOLE_ROWS = []  # per mining, the largest batch its kernels keep whole (from the plan)
 
 
 def _register_python_parts() -> None:
@@ -424,11 +421,10 @@ def _register_python_parts() -> None:
     torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
         _triplet_backward_fake)
     torch.library.register_fake("fused_triplet::mine_batch_hard")(_mine_batch_hard_fake)
-    torch.library.register_fake("fused_triplet::batch_all_loss")(_batch_all_fake)
-    torch.library.register_fake("fused_triplet::batch_all_loss_backward")(
-        _batch_all_backward_fake)
-    torch.library.register_autograd("fused_triplet::batch_all_loss", _batch_all_backward,
-                                    setup_context=_batch_all_setup)
+    torch.library.register_fake("fused_triplet::mined_triplet_loss")(_mined_loss_fake)
+    torch.library.register_fake("fused_triplet::mined_triplet_loss_backward")(
+        _mined_loss_backward_fake)
+    _MINING_WHOLE_ROWS[:] = [torch.ops.fused_triplet.mining_whole_rows(m) for m in (0, 1)]
 
 
 def _ops():
@@ -677,7 +673,7 @@ class ModelNew(torch.nn.Module):
 # torch reference below, chunked too. Neither ever holds a batch x batch matrix.
 # ---------------------------------------------------------------------------------------------
 
-_MININGS = ("batch_hard", "batch_all")
+_MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
 _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
 
@@ -796,8 +792,10 @@ def mined_triplet_margin_loss(embeddings: Tensor, labels: Tensor, mining: str = 
     (float64 for float64 embeddings); gradients follow autograd of these formulas."""
     _check_mining_inputs(embeddings, labels, mining, margin, reduction)
     margin, p, eps = float(margin), float(p), float(eps)
-    losses, counted = _mined_losses(embeddings, labels.long(), mining, margin, p, eps,
-                                    fused=_mining_takes(embeddings, p))
+    if _mining_takes(embeddings, p):
+        return _ops().mined_triplet_loss(embeddings, labels.long(), _MININGS.index(mining), margin,
+                                         eps, _reduction_enum(None, None, reduction))[0]
+    losses, counted = _mined_losses(embeddings, labels.long(), mining, margin, p, eps)
     if reduction == "none":
         return losses
     total = losses.sum()
@@ -805,21 +803,14 @@ def mined_triplet_margin_loss(embeddings: Tensor, labels: Tensor, mining: str = 
 
 
 def _mined_losses(embeddings: Tensor, labels: Tensor, mining: str, margin: float, p: float,
-                  eps: float, fused: bool) -> tuple:
-    """(per-anchor losses, what 'mean' divides by) from the kernels (fused) or the reference;
-    the losses in float32 (float64 for float64 embeddings), differentiable."""
-    if mining == "batch_all" and fused:
-        losses, active = _ops().batch_all_loss(embeddings, labels, margin, eps)
-        return losses, active.sum()
+                  eps: float) -> tuple:
+    """The torch reference: (per-anchor losses, what 'mean' divides by), the losses in float32
+    (float64 for float64 embeddings), differentiable."""
     x = embeddings if embeddings.dtype == torch.float64 else embeddings.float()
     if mining == "batch_all":
         losses, active = _reference_batch_all(x, labels, margin, p, eps)
         return losses, active.sum()
-    if fused:
-        with torch.no_grad():
-            positive, negative, valid = _ops().mine_batch_hard(embeddings.detach(), labels, eps)
-    else:
-        positive, negative, valid = _reference_batch_hard(x.detach(), labels, p, eps)
+    positive, negative, valid = _reference_batch_hard(x.detach(), labels, p, eps)
     losses = triplet_margin_loss(x, x[positive], x[negative], margin=margin, p=p, eps=eps,
                                  reduction="none")
     return torch.where(valid, losses, 0.0), valid.sum()

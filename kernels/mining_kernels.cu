@@ -1,38 +1,55 @@
 // library-only {
 // In-batch mining for mined_triplet_margin_loss (p = 2) on float embeddings (2-byte ones cast
-// exactly first), one chunk of anchors at a time; a block scans one anchor's row of
-// the chunk. No atomics: the same inputs give the same bits.
-//   gram_rows_kernel  batch_hard: the sorted, centred rows rounded to bfloat16 for the Gram
-//                     products, and each row's error bounds.
-//   hardest_kernel    batch_hard: from the bfloat16 Gram matrix's approximate squared distances
-//                     and their error bounds, the candidates that can be the hardest positive or
-//                     negative, decided by their exact distance.
-//   distances_kernel  batch_all: exact distances of (anchor, candidate) tiles, torch's formula.
-//   batch_all_kernel  batch_all: per anchor, the sum and count of relu(margin + d_ap - d_an) over
-//                     its (positive, negative) pairs; backward: d loss / d d(i, c) / d(i, c).
-// The loss of batch_hard's chosen triplets is the fused triplet op's, on the gathered rows.
+// exactly first). No atomics: the same inputs give the same bits.
+//   distances_kernel      exact distances of (anchor, candidate) tiles, torch's formula: the
+//                         whole batch x batch (small batches) or one chunk of anchors.
+//   hard_loss_kernel      batch_hard: per anchor its hardest positive and negative (from the
+//                         distances, or as hardest_kernel chose them), their distances in
+//                         double sums, the hinge.
+//   gram_rows_kernel      batch_hard, large batches: the sorted, centred rows rounded to bfloat16
+//                         for the Gram products, and each row's error bounds.
+//   hardest_kernel        batch_hard, large batches: from the bfloat16 Gram matrix's approximate
+//                         squared distances and their error bounds, the candidates that can be
+//                         the hardest positive or negative, decided by their exact distance.
+//   hard_gradient_kernel  batch_hard's gradient: every row written once, no gathers.
+//   batch_all_kernel      batch_all: per anchor, the sum and count of relu(margin + d_ap - d_an)
+//                         over its (positive, negative) pairs; the weights d loss / d d(i, c) / d.
+//   all_gradient_kernel   batch_all's gradient from the whole batch's weights, tiled.
+//   mined_total_kernel    'mean' / 'sum' and the count, one block.
 #include "mining_launch.h"
+#include "triplet_device.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 namespace fused_triplet {
 
 // ==== The mining table ====
-// A chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram products stay large
-// enough for the tensor cores, the memory bounded at any batch.
-constexpr int64_t kChunkFloats = int64_t(1) << 26;
+// Small batches keep the batch x batch exact distances whole: two kernels pick every anchor's
+// triplets (the step is a handful of launches), and batch_all keeps its weights for the
+// backward. batch_hard up to 2048 rows (16 MiB; above, the bfloat16 Gram products are cheaper
+// than exact distances); batch_all up to 4096 (its saved weights, 64 MiB, are the memory bound's
+// allowance beyond the embeddings).
+constexpr int64_t kWholeHardRows = 2048;
+constexpr int64_t kWholeAllRows = 4096;
+// Larger batches: a chunk x batch float buffer of at most 2^24 floats (64 MiB): the Gram
+// products stay large enough for the tensor cores, the memory within the bound at any batch.
+constexpr int64_t kChunkFloats = int64_t(1) << 24;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
 constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
 constexpr int kDistanceUnroll = 8;  // exact distances: elements of each row a lane loads at once
-constexpr int kTile = 64;         // distances: 64 x 64 pairs per block, 4 x 4 per thread
+constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
 constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives
+constexpr int kGradientRowsPerWarp = 8;  // batch_hard's gradient: 64 rows share one anchor scan
+constexpr int kGradientSlice = 8;     // ... each lane holding 8 elements of a row at a time
+constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per scan round
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
 // rounded to bfloat16: 2 (x~_i . r_c + r_i . x_c) + accumulation, at most
 // 2 (|x~_i| |r_c| + |r_i| |x_c|) + 2 gram_bound |x~_i| |x~_c|. 2ab <= w a^2 + b^2 / w splits it into
@@ -42,12 +59,18 @@ constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass ov
 constexpr float kGramRoundingWeight = 1.0f / (1 << 10);
 constexpr float kGramPerElementBound = 1.0f / (1 << 21);
 
-MiningPlan plan_mining(int64_t batch, int64_t dim) {
+int64_t whole_batch_rows(Mining mining) {
+  return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;
+}
+
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim) {
   MiningPlan plan;
+  plan.whole = batch <= whole_batch_rows(mining);
   plan.gram_bound = float(dim + 16) * kGramPerElementBound;
   plan.rounding_weight = kGramRoundingWeight;
-  plan.chunk_rows = std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1), 1,
-                                        std::max<int64_t>(batch, 1));
+  plan.chunk_rows = plan.whole ? std::max<int64_t>(batch, 1)
+                               : std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1),
+                                                     1, std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
   // 16-byte groups only where every thread gets one: below, most warps would get no columns.
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
@@ -396,33 +419,244 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
   }
 }
 
-// Block-wide sum in a fixed order (warp butterflies, then the warps in turn); every thread gets it.
-template <typename S>
-__device__ S block_sum(S x, S* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  __syncthreads();  // scratch is free
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+// The candidates of one block: its best pick in thread 0 (beats is a total order, so the
+// butterfly's order does not matter).
+template <bool kLargest>
+__device__ Pick block_best(Pick pick, Pick* scratch) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const Pick other{__shfl_xor_sync(0xffffffffu, pick.value, offset),
+                     __shfl_xor_sync(0xffffffffu, pick.index, offset)};
+    if (beats<kLargest>(other, pick)) pick = other;
+  }
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = pick;
   __syncthreads();
-  S total = 0;
-  for (int w = 0; w < kRowThreads / 32; ++w) total += scratch[w];
-  return total;
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kRowThreads / 32; ++w) {
+      if (beats<kLargest>(scratch[w], pick)) pick = scratch[w];
+    }
+  }
+  return pick;
 }
 
+// The upstream gradient reaching anchor i's loss.
+__device__ __forceinline__ float upstream_of(Upstream up, int64_t i) {
+  if (up.grad == nullptr) return 1.f;
+  if (up.reduction == kNone) return up.grad[i];
+  return up.reduction == kMean ? up.grad[0] / fmaxf(up.count[0], 1.f) : up.grad[0];
+}
+
+// A block per anchor: its hardest positive (largest distance, NaN first, then the lowest index)
+// and negative (smallest), then d(a, p) and d(a, n) again as the triplet op computes them
+// (element differences in float, sums in double) and the hinge.
+template <bool kPick>
 __global__ void __launch_bounds__(kRowThreads)
-    batch_all_kernel(MiningChunk chunk, const float* dists, const float* upstream, float* loss,
-                     int64_t* active, float* coeffs) {
+    hard_loss_kernel(MiningChunk chunk, const float* dists, const int64_t* picked, float* loss,
+                     int64_t* counted, double* state) {
+  __shared__ Pick positives[kRowThreads / 32], negatives[kRowThreads / 32];
+  __shared__ int64_t chosen[2];
+  __shared__ double sums_ap[kRowThreads / 32], sums_an[kRowThreads / 32];
+  const int64_t anchor = blockIdx.x, batch = chunk.batch;
+  int64_t positive, negative;
+  if constexpr (kPick) {
+    const float* d = dists + anchor * batch;
+    const int64_t my_id = chunk.ids[anchor];
+    Pick best_positive{0.f, -1}, best_negative{0.f, -1};
+    for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
+      const Pick candidate{d[c], c};
+      if (chunk.ids[c] != my_id) {
+        if (beats<false>(candidate, best_negative)) best_negative = candidate;
+      } else if (c != anchor && beats<true>(candidate, best_positive)) {
+        best_positive = candidate;
+      }
+    }
+    best_positive = block_best<true>(best_positive, positives);
+    best_negative = block_best<false>(best_negative, negatives);
+    if (threadIdx.x == 0) chosen[0] = best_positive.index, chosen[1] = best_negative.index;
+    __syncthreads();
+    const bool found = chosen[0] >= 0 && chosen[1] >= 0;
+    positive = found ? chosen[0] : anchor;
+    negative = found ? chosen[1] : anchor;
+  } else {
+    positive = picked[anchor];
+    negative = picked[batch + anchor];
+  }
+  const bool found = positive != anchor;
+  const float* a = chunk.embeddings + anchor * chunk.dim;
+  const float* p = chunk.embeddings + positive * chunk.dim;
+  const float* n = chunk.embeddings + negative * chunk.dim;
+  double sum_ap = 0.0, sum_an = 0.0;
+  for (int64_t k = threadIdx.x; found && k < chunk.dim; k += kRowThreads) {
+    const double v_ap = (a[k] - p[k]) + chunk.eps, v_an = (a[k] - n[k]) + chunk.eps;
+    sum_ap = fma(v_ap, v_ap, sum_ap);
+    sum_an = fma(v_an, v_an, sum_an);
+  }
+  sum_ap = block_sum<kRowThreads>(sum_ap, sums_ap);
+  sum_an = block_sum<kRowThreads>(sum_an, sums_an);
+  if (threadIdx.x != 0) return;
+  // float inputs: a sum past float's range is inf, as torch's float sums make it
+  const auto distance = [](double s) { return s > double(FLT_MAX) ? INFINITY : sqrt(s); };
+  const double d_ap = distance(sum_ap), d_an = distance(sum_an);
+  loss[anchor] = found ? float(hinge(double(chunk.margin) + d_ap - d_an)) : 0.f;
+  counted[anchor] = found;
+  state[anchor] = double(positive);
+  state[batch + anchor] = double(negative);
+  state[2 * batch + anchor] = d_ap;
+  state[3 * batch + anchor] = d_an;
+}
+
+// Anchor i's scales of its two distances' gradients, as the triplet op's backward takes them:
+// g / d where the hinge passes the gradient (float distances), else 0.
+struct HardScales {
+  int64_t positive, negative;
+  float c_ap, c_an;
+};
+
+__device__ __forceinline__ HardScales hard_scales(const double* state, int64_t batch, int64_t i,
+                                                  float margin, float g, bool hinge_at_zero) {
+  HardScales s{int64_t(state[i]), int64_t(state[batch + i]), 0.f, 0.f};
+  const float d_ap = float(state[2 * batch + i]), d_an = float(state[3 * batch + i]);
+  const float hinge_in = margin + d_ap - d_an;
+  const bool active =
+      s.positive != i && (hinge_in > 0.f || (hinge_in == 0.f && hinge_at_zero));
+  if (active) {
+    s.c_ap = d_ap == 0.f ? 0.f : g / d_ap;
+    s.c_an = d_an == 0.f ? 0.f : -g / d_an;
+  }
+  return s;
+}
+
+// An anchor's term in another row's gradient: coef x (x_anchor - x_row + eps).
+struct Hit {
+  int64_t anchor;
+  int row;  // in the block's tile
+  float coef;
+};
+
+// A block per tile of 64 rows, 8 per warp. The block scans the anchors for those that chose a
+// tile row as positive or negative and lists them (anchor order; a full list is worked off
+// before the scan goes on); each warp then writes its rows slice by slice: the row's own term as
+// an anchor, then the listed terms in order. One writer per row: no atomics.
+__global__ void __launch_bounds__(kRowThreads)
+    hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
+                         float* grad) {
+  constexpr int kWarps = kRowThreads / 32, kTileRows = kWarps * kGradientRowsPerWarp;
+  __shared__ Hit hits[kHitSlots];
+  __shared__ int warp_counts[2][kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t batch = chunk.batch, dim = chunk.dim, tile_first = int64_t(blockIdx.x) * kTileRows;
+  const float* x = chunk.embeddings;
+  const float eps = chunk.eps;
+  int64_t next = 0;
+  bool first_round = true;
+  do {
+    int filled = 0;
+    for (; next < batch; next += kRowThreads) {
+      const int64_t i = next + threadIdx.x;
+      bool as_positive = false, as_negative = false;
+      HardScales s{0, 0, 0.f, 0.f};
+      if (i < batch) {
+        const int64_t p = int64_t(state[i]) - tile_first, n = int64_t(state[batch + i]) - tile_first;
+        if ((p >= 0 && p < kTileRows) || (n >= 0 && n < kTileRows)) {
+          s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero);
+          as_positive = s.positive != i && p >= 0 && p < kTileRows;
+          as_negative = s.positive != i && n >= 0 && n < kTileRows;
+        }
+      }
+      const unsigned positives = __ballot_sync(0xffffffffu, as_positive);
+      const unsigned negatives = __ballot_sync(0xffffffffu, as_negative);
+      if (lane == 0) warp_counts[0][warp] = __popc(positives), warp_counts[1][warp] = __popc(negatives);
+      __syncthreads();
+      int positive_at = filled, negative_at = filled, total_positives = 0, total_negatives = 0;
+      for (int w = 0; w < kWarps; ++w) {
+        positive_at += w < warp ? warp_counts[0][w] : 0;
+        negative_at += w < warp ? warp_counts[1][w] : 0;
+        total_positives += warp_counts[0][w];
+        total_negatives += warp_counts[1][w];
+      }
+      __syncthreads();  // warp_counts is read before the next group writes it
+      // A group adds at most 2 x 256 hits, so an empty list always takes it.
+      if (filled + total_positives + total_negatives > kHitSlots) break;
+      const unsigned below = (1u << lane) - 1u;
+      if (as_positive) {
+        hits[positive_at + __popc(positives & below)] = {i, int(s.positive - tile_first), -s.c_ap};
+      }
+      if (as_negative) {
+        hits[negative_at + total_positives + __popc(negatives & below)] =
+            {i, int(s.negative - tile_first), -s.c_an};
+      }
+      filled += total_positives + total_negatives;
+    }
+    __syncthreads();  // the list is written
+    for (int r = 0; r < kGradientRowsPerWarp; ++r) {
+      const int tile_row = warp * kGradientRowsPerWarp + r;
+      const int64_t m = tile_first + tile_row;
+      if (m >= batch) break;
+      const float* xm = x + m * dim;
+      float* out = grad + m * dim;
+      const HardScales own =
+          first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m), hinge_at_zero)
+                      : HardScales{0, 0, 0.f, 0.f};
+      for (int64_t k0 = lane; k0 < dim; k0 += 32 * kGradientSlice) {
+        float row[kGradientSlice], acc[kGradientSlice];
+#pragma unroll
+        for (int u = 0; u < kGradientSlice; ++u) {
+          const int64_t k = k0 + 32 * u;
+          row[u] = k < dim ? xm[k] : 0.f;
+          acc[u] = 0.f;
+          if (k >= dim) continue;
+          if (!first_round) {
+            acc[u] = out[k];
+          } else if (own.c_ap != 0.f || own.c_an != 0.f) {
+            const float f_ap = __fmul_rn(own.c_ap, (row[u] - x[own.positive * dim + k]) + eps);
+            const float f_an = __fmul_rn(own.c_an, (row[u] - x[own.negative * dim + k]) + eps);
+            acc[u] = __fadd_rn(f_ap, f_an);
+          }
+        }
+        for (int h = 0; h < filled; ++h) {
+          const Hit hit = hits[h];
+          if (hit.row != tile_row) continue;
+          const float* xa = x + hit.anchor * dim;
+#pragma unroll
+          for (int u = 0; u < kGradientSlice; ++u) {
+            const int64_t k = k0 + 32 * u;
+            if (k < dim) acc[u] = __fadd_rn(acc[u], __fmul_rn(hit.coef, (xa[k] - row[u]) + eps));
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kGradientSlice; ++u) {
+          if (k0 + 32 * u < dim) out[k0 + 32 * u] = acc[u];
+        }
+      }
+    }
+    first_round = false;
+    __syncthreads();  // the list is worked off before the scan refills it
+  } while (next < batch);
+}
+
+// A block per anchor row of the chunk. Its positives are staged (margin + d(i, j)) a slot each,
+// every negative is held against them; weights: each column's d loss / d d(i, c), scaled by
+// g_i / d(i, c) at the end. Where weights overwrite dists (a whole batch), the row is first
+// copied to shared memory.
+__global__ void __launch_bounds__(kRowThreads)
+    batch_all_kernel(MiningChunk chunk, const float* dists, Upstream up, float* loss,
+                     int64_t* counted, float* weights) {
   __shared__ float thresholds[kPositiveSlots];  // margin + d(i, j) of the staged positives
   __shared__ int64_t staged[kPositiveSlots];    // their columns
   __shared__ int warp_counts[kRowThreads / 32];
   __shared__ double sum_scratch[kRowThreads / 32];
   __shared__ int64_t count_scratch[kRowThreads / 32];
+  extern __shared__ float row_copy[];  // [batch] where weights == dists
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, anchor = chunk.first + row, batch = chunk.batch;
   const float* d = dists + row * batch;
   const int64_t my_id = chunk.ids[anchor];
-  const bool backward = upstream != nullptr;
-  float* w = backward ? coeffs + row * batch : nullptr;  // d loss_i / d d(i, c), then / d(i, c)
-  if (backward) {
+  float* w = weights != nullptr ? weights + row * batch : nullptr;
+  if (w == d) {
+    for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) row_copy[c] = d[c];
+    __syncthreads();
+    d = row_copy;
+  }
+  if (w != nullptr) {
     for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) w[c] = 0.f;
   }
   double sum = 0.0;
@@ -467,9 +701,9 @@ __global__ void __launch_bounds__(kRowThreads)
         }
       }
       count += hits;
-      if (backward) w[c] -= float(hits);
+      if (w != nullptr) w[c] -= float(hits);
     }
-    if (backward) {
+    if (w != nullptr) {
       // Each staged positive: how many negatives its pairs are active with (a warp each).
       for (int j = warp; j < filled; j += kRowThreads / 32) {
         int hits = 0;
@@ -482,21 +716,108 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
-  if (backward) {
+  if (w != nullptr) {
     __syncthreads();  // every count of the row is written
-    const float g = upstream[anchor];
+    const float g = upstream_of(up, anchor);
     for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
       const float weight = w[c];
       w[c] = weight != 0.f && d[c] != 0.f ? g * weight / d[c] : 0.f;
     }
-    return;
   }
-  const double total = block_sum(sum, sum_scratch);
-  const int64_t total_count = block_sum(count, count_scratch);
+  if (loss == nullptr) return;
+  const double total = block_sum<kRowThreads>(sum, sum_scratch);
+  const int64_t total_count = block_sum<kRowThreads>(count, count_scratch);
   if (threadIdx.x == 0) {
     loss[anchor] = float(total);
-    active[anchor] = total_count;
+    counted[anchor] = total_count;
   }
+}
+
+// grad_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps) with A[i, c] =
+// g_i weights[i, c], written as sum_c (A[m, c] + A[c, m]) (x_m - x_c) + eps (sum_c A[m, c] -
+// A[c, m]): each difference exact before it is scaled. Tiles of 64 rows x 64 elements, the
+// columns c staged 16 at a time, as distances_kernel.
+__global__ void __launch_bounds__(kTileThreads)
+    all_gradient_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
+  __shared__ __align__(16) float from_rows[kTileDepth][kTile + 4];  // A[m, c]
+  __shared__ __align__(16) float from_columns[kTileDepth][kTile + 4];  // A[c, m]
+  __shared__ __align__(16) float candidates[kTileDepth][kTile + 4];  // x_c
+  const float* x = chunk.embeddings;
+  const int64_t batch = chunk.batch, dim = chunk.dim;
+  const int tx = threadIdx.x % (kTile / 4), ty = threadIdx.x / (kTile / 4);
+  const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
+  float mine[4][4], acc[4][4] = {}, skew[4] = {};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t m = row0 + ty * 4 + i, k = col0 + tx * 4 + j;
+      mine[i][j] = m < batch && k < dim ? x[m * dim + k] : 0.f;
+    }
+  }
+  const bool per_anchor = up.reduction == kNone;
+  const float g_all = per_anchor ? 0.f : upstream_of(up, 0);
+  for (int64_t c0 = 0; c0 < batch; c0 += kTileDepth) {
+#pragma unroll
+    for (int e = threadIdx.x; e < kTile * kTileDepth; e += kTileThreads) {
+      const int r = e / kTileDepth, cc = e % kTileDepth;  // along a row of weights
+      const int64_t m = row0 + r, c = c0 + cc;
+      from_rows[cc][r] = m < batch && c < batch
+                             ? (per_anchor ? up.grad[m] : g_all) * weights[m * batch + c] : 0.f;
+      const int r2 = e % kTile, cc2 = e / kTile;  // along a column
+      const int64_t m2 = row0 + r2, c2 = c0 + cc2, k = col0 + r2;
+      from_columns[cc2][r2] = m2 < batch && c2 < batch
+                                  ? (per_anchor ? up.grad[c2] : g_all) * weights[c2 * batch + m2]
+                                  : 0.f;
+      candidates[cc2][r2] = c2 < batch && k < dim ? x[c2 * dim + k] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int cc = 0; cc < kTileDepth; ++cc) {
+      const float4 a = *reinterpret_cast<const float4*>(&from_rows[cc][ty * 4]);
+      const float4 b = *reinterpret_cast<const float4*>(&from_columns[cc][ty * 4]);
+      const float4 xc = *reinterpret_cast<const float4*>(&candidates[cc][tx * 4]);
+      const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+      const float cv[4] = {xc.x, xc.y, xc.z, xc.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float both = av[i] + bv[i];
+        skew[i] += av[i] - bv[i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(both, mine[i][j] - cv[j], acc[i][j]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t m = row0 + ty * 4 + i;
+    if (m >= batch) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t k = col0 + tx * 4 + j;
+      if (k < dim) grad[m * dim + k] = fmaf(chunk.eps, skew[i], acc[i][j]);
+    }
+  }
+}
+
+// One block: the sums of the per-anchor losses and counts in double, in a fixed order.
+__global__ void __launch_bounds__(kRowThreads)
+    mined_total_kernel(const float* losses, const int64_t* counted, int64_t batch, int64_t reduction,
+                  float* loss, float* count) {
+  __shared__ double sum_scratch[kRowThreads / 32];
+  __shared__ int64_t count_scratch[kRowThreads / 32];
+  double sum = 0.0;
+  int64_t n = 0;
+  for (int64_t i = threadIdx.x; i < batch; i += kRowThreads) {
+    if (reduction != kNone) sum += losses[i];
+    n += counted[i];
+  }
+  sum = block_sum<kRowThreads>(sum, sum_scratch);
+  n = block_sum<kRowThreads>(n, count_scratch);
+  if (threadIdx.x != 0) return;
+  if (reduction != kNone) loss[0] = float(reduction == kMean ? sum / double(n > 1 ? n : 1) : sum);
+  count[0] = float(n);
 }
 
 }  // namespace
@@ -529,11 +850,43 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
   return cudaGetLastError();
 }
 
+cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
+                             const int64_t* picked, float* loss, int64_t* counted,
+                             double* state, cudaStream_t stream) {
+  const auto kernel = picked == nullptr ? hard_loss_kernel<true> : hard_loss_kernel<false>;
+  kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, dists, picked, loss, counted, state);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
+                                 const double* state, const Upstream& upstream, bool hinge_at_zero,
+                                 float* grad, cudaStream_t stream) {
+  constexpr int64_t kTileRows = kRowThreads / 32 * kGradientRowsPerWarp;
+  hard_gradient_kernel<<<(chunk.batch + kTileRows - 1) / kTileRows, plan.row_block, 0, stream>>>(
+      chunk, state, upstream, hinge_at_zero, grad);
+  return cudaGetLastError();
+}
+
 cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
-                             const float* upstream, float* loss, int64_t* active, float* coeffs,
-                             cudaStream_t stream) {
-  batch_all_kernel<<<chunk.rows, plan.row_block, 0, stream>>>(chunk, dists, upstream, loss,
-                                                              active, coeffs);
+                             const Upstream& upstream, float* loss, int64_t* counted,
+                             float* weights, cudaStream_t stream) {
+  const size_t row_copy = weights == dists ? size_t(chunk.batch) * sizeof(float) : 0;
+  batch_all_kernel<<<chunk.rows, plan.row_block, row_copy, stream>>>(chunk, dists, upstream, loss,
+                                                                     counted, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
+                                const float* weights, const Upstream& upstream, float* grad,
+                                cudaStream_t stream) {
+  const dim3 grid((chunk.dim + plan.tile - 1) / plan.tile, (chunk.batch + plan.tile - 1) / plan.tile);
+  all_gradient_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, weights, upstream, grad);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_finish(const float* losses, const int64_t* counted, int64_t batch,
+                          int64_t reduction, float* loss, float* count, cudaStream_t stream) {
+  mined_total_kernel<<<1, kRowThreads, 0, stream>>>(losses, counted, batch, reduction, loss, count);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,7 @@
 // library-only {
 // The launch API of the in-batch mining kernels (mining_kernels.cu) for mining_ops.cpp: plain
-// structs and functions, no torch headers. The anchors go one chunk of rows at a time, so no
-// buffer is ever batch x batch.
+// structs and functions, no torch headers. Small batches keep the batch x batch distances whole;
+// large ones go one chunk of anchors at a time, so no buffer outgrows the plan's budget.
 #ifndef FUSED_TRIPLET_MINING_LAUNCH_H
 #define FUSED_TRIPLET_MINING_LAUNCH_H
 
@@ -9,17 +9,22 @@
 
 namespace fused_triplet {
 
+enum class Mining : int64_t { kBatchHard = 0, kBatchAll = 1 };
+
 // Every choice of a mining call, made in plan_mining.
 struct MiningPlan {
-  int64_t chunk_rows;     // anchors per chunk: a chunk x batch float buffer stays within its budget
+  bool whole;             // one batch x batch buffer of exact distances (else chunks of anchors)
+  int64_t chunk_rows;     // anchors per chunk (the whole batch when whole)
   int row_block;          // threads per block of the row kernels (a block per anchor row)
   int vector;             // hardest_kernel's columns per load: 4 (16 bytes) or 1
   float gram_bound;       // the Gram products' accumulation error, relative to |x~_i| |x~_c|
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
-  int tile;               // the distance kernel's square tile of (anchor, candidate) pairs
+  int tile;               // the tiled kernels' square tile of (row, column) pairs
 };
 
-MiningPlan plan_mining(int64_t batch, int64_t dim);
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim);
+// The largest batch whose distances stay whole (the shape of batch_all's saved weights).
+int64_t whole_batch_rows(Mining mining);
 
 // One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim), float,
 // contiguous (2-byte embeddings cast exactly); ids: each embedding's label. Per-anchor outputs
@@ -29,6 +34,14 @@ struct MiningChunk {
   const int64_t* ids;
   int64_t batch, dim, first, rows;
   float eps, margin;
+};
+
+// How the loss was reduced, and the upstream gradient of the backward: [batch] ('none') or one
+// value, times 1 / max(count, 1) for 'mean' (count: the forward's, one float).
+struct Upstream {
+  const float* grad;
+  const float* count;
+  int64_t reduction;
 };
 
 // batch_hard's Gram inputs for the whole batch (chunk.first and rows unused), sorted by label:
@@ -58,14 +71,40 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream);
 
-// batch_all over the chunk's rows of exact distances. Forward (upstream == nullptr): each
-// anchor's sum of relu(margin + d(i, j) - d(i, k)) over its (positive j, negative k) pairs and
-// how many are > 0 (loss float, active int64). Backward: coeffs [rows, batch] =
-// upstream[i] * (d loss_i / d d(i, c)) / d(i, c) (0 where d(i, c) is 0), what the gradient's
-// matrix products take.
+// batch_hard's loss of every anchor (chunk: the whole batch). picked == nullptr: the hardest
+// positive and negative chosen here from dists [batch, batch]; else picked [2, batch] int64 as
+// launch_hardest wrote them (the anchor itself where it has no triplet). Writes loss [batch] float (0 without a triplet),
+// counted [batch] int64 (1 with one) and state [4, batch] double: positive, negative (the
+// anchor itself where it has none), d(a, p), d(a, n) in double sums.
+cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
+                             const int64_t* picked, float* loss, int64_t* counted,
+                             double* state, cudaStream_t stream);
+
+// batch_hard's gradient of the embeddings (float [batch, dim]), every row written: each anchor's
+// own term, then the anchors that chose the row as positive or negative, in anchor order.
+cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
+                                 const double* state, const Upstream& upstream, bool hinge_at_zero,
+                                 float* grad, cudaStream_t stream);
+
+// batch_all over the chunk's rows of exact distances: each anchor's sum of relu(margin + d(i, j)
+// - d(i, k)) over its (positive j, negative k) pairs and how many are > 0 (loss float, counted
+// int64; nullptr: not wanted). weights (nullptr: not wanted): [rows, batch] = g_i (d loss_i /
+// d d(i, c)) / d(i, c) (0 where d(i, c) is 0), g_i the upstream gradient (1 where upstream.grad
+// is nullptr). weights may be dists itself when the plan keeps the batch whole.
 cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
-                             const float* upstream, float* loss, int64_t* active, float* coeffs,
-                             cudaStream_t stream);
+                             const Upstream& upstream, float* loss, int64_t* counted,
+                             float* weights, cudaStream_t stream);
+
+// batch_all's gradient of the embeddings (float [batch, dim]) from the whole batch's weights
+// [batch, batch] (launch_batch_all's without the upstream gradient, applied here).
+cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
+                                const float* weights, const Upstream& upstream, float* grad,
+                                cudaStream_t stream);
+
+// The reduction: loss = the sum of loss[batch] (over max(count, 1) for 'mean'; nothing for
+// 'none') and count = the sum of counted[batch], both one float, sums in double.
+cudaError_t launch_finish(const float* losses, const int64_t* counted, int64_t batch,
+                          int64_t reduction, float* loss, float* count, cudaStream_t stream);
 
 }  // namespace fused_triplet
 

@@ -1,20 +1,23 @@
 // library-only {
-// The torch side of the in-batch mining (mined_triplet_margin_loss with p = 2 on CUDA): input
-// checks, the chunk loop, the Gram products (cuBLAS) and the batch_all gradient's matrix
-// products. The Python side registers the fake kernels and batch_all_loss's autograd.
+// The torch side of the in-batch mining (mined_triplet_margin_loss with p = 2 on CUDA): one op
+// per step's forward and one for its backward, with their autograd in C++ (as the triplet op's:
+// a Python autograd layer costs a small batch more host time than its kernels take). Input
+// checks come before any launch; nothing synchronises with the host, so a step can be captured
+// in a CUDA graph. The Python side registers the fake kernels.
 #include "check_text.h"
 #include "mining_launch.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
-#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -22,26 +25,38 @@
 #include <functional>
 
 namespace fused_triplet {
-namespace {
 
-// The embeddings the mining ops take (the kernels read them as float, cast exactly); the Python
-// side sends every other dtype to the torch reference, and the ops refuse them before any launch.
-void check_mining_dtype(const at::Tensor& embeddings) {
-  const at::ScalarType type = embeddings.scalar_type();
-  TORCH_CHECK(type == at::kHalf || type == at::kBFloat16 || type == at::kFloat,
-              "fused_triplet mining: expected float16, bfloat16 or float32 embeddings, got ", type);
-}
+bool hinge_passes_at_zero();  // the installed torch's clamp_min convention (triplet_ops.cpp)
+
+namespace {
 
 // The ops' own matrix products and casts run as written, whatever autocast the caller is under.
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
+Mining mining_of(int64_t mining) {
+  TORCH_CHECK(mining == 0 || mining == 1,
+              "fused_triplet mining: mining must be 0 (batch_hard) or 1 (batch_all), got ",
+              std::to_string(mining));
+  return static_cast<Mining>(mining);
+}
+
+void check_reduction(int64_t reduction) {
+  TORCH_CHECK(reduction == kNone || reduction == kMean || reduction == kSum,
+              "fused_triplet mining: reduction must be 0 (none), 1 (mean) or 2 (sum), got ",
+              std::to_string(reduction));
+}
+
+// The embeddings the mining ops take (the kernels read them as float, cast exactly); the Python
+// side sends every other dtype to the torch reference, and the ops refuse them before any launch.
 void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
   TORCH_CHECK(embeddings.is_cuda() && labels.device() == embeddings.device(),
               "fused_triplet mining: embeddings and labels must be on one CUDA device, got ",
               embeddings.device(), " and ", labels.device());
   TORCH_CHECK(embeddings.dim() == 2, "fused_triplet mining: expected (batch, dim) embeddings, got ",
               shape_text(embeddings));
-  check_mining_dtype(embeddings);
+  const at::ScalarType type = embeddings.scalar_type();
+  TORCH_CHECK(type == at::kHalf || type == at::kBFloat16 || type == at::kFloat,
+              "fused_triplet mining: expected float16, bfloat16 or float32 embeddings, got ", type);
   TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
                   labels.size(0) == embeddings.size(0),
               "fused_triplet mining: expected int64 labels of shape (",
@@ -58,154 +73,309 @@ struct MiningCall {
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
         embeddings(embeddings_in.to(at::kFloat).contiguous()),
-        labels(labels_in.contiguous()) {}
+        labels(labels_in.contiguous()),
+        stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()) {}
+  // Every anchor of the float embeddings as one chunk.
+  MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
+    return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
+            embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin)};
+  }
+  // fn(chunk) for each chunk of anchors.
+  void for_each_chunk(const MiningPlan& plan, double margin, double eps,
+                      const std::function<void(const MiningChunk&)>& fn) const {
+    MiningChunk chunk = whole(labels, margin, eps);
+    for (chunk.first = 0; chunk.first < chunk.batch; chunk.first += plan.chunk_rows) {
+      chunk.rows = std::min(plan.chunk_rows, chunk.batch - chunk.first);
+      fn(chunk);
+    }
+  }
   bool checked;
   NoAutocast no_autocast;
   c10::cuda::CUDAGuard guard;
   at::Tensor embeddings, labels;
+  cudaStream_t stream;
 };
 
-// Every anchor of the float embeddings as one chunk.
-MiningChunk whole_batch(const at::Tensor& embeddings, const at::Tensor& labels, double margin,
-                        double eps) {
-  return {embeddings.data_ptr<float>(), labels.data_ptr<int64_t>(), embeddings.size(0),
-          embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin)};
-}
-
-cudaStream_t stream_of(const at::Tensor& x) {
-  return c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
-}
-
-// The chunk loop: fn(chunk, stream) for each chunk of anchors of the float embeddings, on their
-// device and current stream.
-void for_each_chunk(const at::Tensor& embeddings, const at::Tensor& labels, double margin,
-                    double eps, const MiningPlan& plan,
-                    const std::function<void(const MiningChunk&, cudaStream_t)>& fn) {
-  MiningChunk chunk = whole_batch(embeddings, labels, margin, eps);
-  for (chunk.first = 0; chunk.first < chunk.batch; chunk.first += plan.chunk_rows) {
-    chunk.rows = std::min(plan.chunk_rows, chunk.batch - chunk.first);
-    fn(chunk, stream_of(embeddings));
-  }
-}
-
-// The embeddings in float, less their mean (batch_all's gradient; batch_hard's gram_rows_kernel
-// centres its rows itself): distances are unchanged, and the matrix products' error, relative to
-// the rows' norms, shrinks to the batch's spread.
-at::Tensor centred(const at::Tensor& embeddings) {
-  const at::Tensor x = embeddings.to(at::kFloat);
-  return x - x.mean(0, true);
-}
-
-// batch_hard: (positive, negative, valid) per anchor. The rows go sorted by label (stable), so
-// each anchor's positives are one range of columns.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings_in,
-                                                                    const at::Tensor& labels_in,
-                                                                    double eps) {
-  const MiningCall call(embeddings_in, labels_in);
+// batch_hard's large batches: (positive, negative) [2, batch] and valid per anchor from the
+// bfloat16 Gram products, exact where it counts. The rows go sorted by label (stable), so each
+// anchor's positives are one range of columns.
+std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const MiningPlan& plan,
+                                                double eps) {
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
-  at::Tensor positive = at::empty({batch}, call.labels.options());
-  at::Tensor negative = at::empty({batch}, call.labels.options());
+  at::Tensor picks = at::empty({2, batch}, call.labels.options());
   at::Tensor valid = at::empty({batch}, call.labels.options().dtype(at::kBool));
-  if (batch == 0) return {positive, negative, valid};
   const auto [sorted_labels, order] = call.labels.sort(/*stable=*/true, 0, false);
-  const MiningPlan plan = plan_mining(batch, embeddings.size(1));
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
   at::Tensor bounds = at::empty({2, batch, 2}, embeddings.options());
   at::Tensor classes = at::empty({batch, 2}, call.labels.options());
   const at::Tensor mean = embeddings.mean(0);
-  C10_CUDA_CHECK(launch_gram_rows(whole_batch(embeddings, sorted_labels, 0.0, eps), plan,
+  C10_CUDA_CHECK(launch_gram_rows(call.whole(sorted_labels, 0.0, eps), plan,
                                   order.data_ptr<int64_t>(), mean.data_ptr<float>(),
                                   rounded.data_ptr(), bounds.data_ptr<float>(),
-                                  classes.data_ptr<int64_t>(), stream_of(embeddings)));
+                                  classes.data_ptr<int64_t>(), call.stream));
   at::Tensor gram = at::empty({plan.chunk_rows, batch}, embeddings.options());
-  for_each_chunk(embeddings, sorted_labels, 0.0, eps, plan,
-                 [&](const MiningChunk& chunk, cudaStream_t s) {
+  MiningChunk chunk = call.whole(sorted_labels, 0.0, eps);
+  for (chunk.first = 0; chunk.first < batch; chunk.first += plan.chunk_rows) {
+    chunk.rows = std::min(plan.chunk_rows, batch - chunk.first);
     at::Tensor rows = gram.narrow(0, 0, chunk.rows);
     at::mm_out(rows, rounded.narrow(0, chunk.first, chunk.rows), rounded.t(), at::kFloat);
     C10_CUDA_CHECK(launch_hardest(chunk, plan, rows.data_ptr<float>(), bounds.data_ptr<float>(),
                                   classes.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
-                                  positive.data_ptr<int64_t>(),
-                                  negative.data_ptr<int64_t>(), valid.data_ptr<bool>(), s));
-  });
-  return {positive, negative, valid};
+                                  picks.data_ptr<int64_t>(), picks.data_ptr<int64_t>() + batch,
+                                  valid.data_ptr<bool>(), call.stream));
+  }
+  return {picks, valid};
 }
 
-// batch_all: (loss, active) per anchor, float32 and int64.
-std::tuple<at::Tensor, at::Tensor> batch_all_loss_cuda(const at::Tensor& embeddings_in,
-                                                       const at::Tensor& labels_in, double margin,
-                                                       double eps) {
+// The forward: (loss, count, state). loss: float32, per anchor ('none') or reduced; count: one
+// float32, the valid anchors (batch_hard) or active triplets (batch_all) that 'mean' divides by;
+// state: what the backward reads. batch_hard: [4, batch] double (positive, negative, d(a, p),
+// d(a, n)); batch_all: the whole batch's weights [batch, batch] float when for_backward and the
+// plan keeps the batch whole, else empty (the backward recomputes its distances).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
+    const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
+    double margin, double eps, int64_t reduction, bool for_backward) {
+  const Mining mining = mining_of(mining_code);
+  check_reduction(reduction);
   const MiningCall call(embeddings_in, labels_in);
   const at::Tensor& embeddings = call.embeddings;
-  const at::Tensor& labels = call.labels;
   const int64_t batch = embeddings.size(0);
-  at::Tensor loss = at::empty({batch}, embeddings.options().dtype(at::kFloat));
-  at::Tensor active = at::empty({batch}, labels.options());
-  if (batch == 0) return {loss, active};
-  const MiningPlan plan = plan_mining(batch, embeddings.size(1));
-  at::Tensor dists = at::empty({plan.chunk_rows, batch}, loss.options());
-  for_each_chunk(embeddings, labels, margin, eps, plan, [&](const MiningChunk& chunk, cudaStream_t s) {
-    C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), s));
-    C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), nullptr,
-                                    loss.data_ptr<float>(), active.data_ptr<int64_t>(), nullptr,
-                                    s));
-  });
-  return {loss, active};
+  const at::TensorOptions floats = embeddings.options();
+  at::Tensor per_anchor = at::empty({batch}, floats);
+  at::Tensor counted = at::empty({batch}, call.labels.options());
+  at::Tensor count = at::empty({}, floats);
+  at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  const bool keeps_weights = mining == Mining::kBatchAll && for_backward && plan.whole;
+  at::Tensor state = mining == Mining::kBatchHard
+                         ? at::empty({4, batch}, floats.dtype(at::kDouble))
+                         : at::empty({keeps_weights ? batch : 0, keeps_weights ? batch : 0}, floats);
+  if (batch > 0) {
+    const MiningChunk all = call.whole(call.labels, margin, eps);
+    if (mining == Mining::kBatchHard) {
+      at::Tensor dists, picks;
+      if (plan.whole) {
+        dists = at::empty({batch, batch}, floats);
+        C10_CUDA_CHECK(launch_distances(all, plan, dists.data_ptr<float>(), call.stream));
+      } else {
+        picks = std::get<0>(mine_hardest(call, plan, eps));
+      }
+      C10_CUDA_CHECK(launch_hard_loss(all, plan, plan.whole ? dists.data_ptr<float>() : nullptr,
+                                      plan.whole ? nullptr : picks.data_ptr<int64_t>(),
+                                      per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
+                                      state.data_ptr<double>(), call.stream));
+    } else {
+      const at::Tensor dists =
+          keeps_weights ? state : at::empty({plan.chunk_rows, batch}, floats);
+      call.for_each_chunk(plan, margin, eps, [&](const MiningChunk& chunk) {
+        C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
+        C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), {}, 
+                                        per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
+                                        keeps_weights ? dists.data_ptr<float>() : nullptr,
+                                        call.stream));
+      });
+    }
+  }
+  C10_CUDA_CHECK(launch_finish(per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(), batch,
+                               reduction, loss.data_ptr<float>(), count.data_ptr<float>(),
+                               call.stream));
+  return {loss, count, state};
 }
 
-// batch_all's gradient for the upstream gradient of each anchor's loss. With coefficients
-// A[i, c] = grad_i (d loss_i / d d(i, c)) / d(i, c) and x the centred rows,
+// batch_all's gradient without saved weights, a chunk of anchors at a time: with A[i, c] the
+// chunk's weights (upstream gradient applied) and x the centred rows,
 //   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps),
-// two matrix products per chunk of rows of A.
-at::Tensor batch_all_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor& embeddings_in,
-                                        const at::Tensor& labels_in, double margin, double eps) {
-  const MiningCall call(embeddings_in, labels_in);
+// two matrix products per chunk.
+void batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan,
+                                  const Upstream& up, double margin, double eps, at::Tensor& out) {
   const at::Tensor& embeddings = call.embeddings;
-  const at::Tensor& labels = call.labels;
-  TORCH_CHECK(grad_in.scalar_type() == at::kFloat && grad_in.device() == embeddings_in.device() &&
-                  grad_in.dim() == 1 && grad_in.size(0) == embeddings_in.size(0),
-              "fused_triplet mining: expected a float32 gradient of shape (",
-              std::to_string(embeddings_in.size(0)), ") on the embeddings' device, got ",
-              grad_in.scalar_type(), " ", shape_text(grad_in), " on ", grad_in.device());
-  const at::Tensor grad = grad_in.contiguous();
   const int64_t batch = embeddings.size(0);
-  at::Tensor out = at::zeros(embeddings.sizes(), embeddings.options().dtype(at::kFloat));
-  if (batch == 0) return out.to(embeddings_in.scalar_type());
-  const at::Tensor x = centred(embeddings);
-  const MiningPlan plan = plan_mining(batch, embeddings.size(1));
+  // less the mean: distances are unchanged, and the products' error shrinks to the spread
+  const at::Tensor x = embeddings - embeddings.mean(0, true);
   at::Tensor dists = at::empty({plan.chunk_rows, batch}, out.options());
-  at::Tensor coeffs = at::empty({plan.chunk_rows, batch}, out.options());
-  for_each_chunk(embeddings, labels, margin, eps, plan, [&](const MiningChunk& chunk, cudaStream_t s) {
-    C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), s));
-    C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), grad.data_ptr<float>(),
-                                    nullptr, nullptr, coeffs.data_ptr<float>(), s));
-    const at::Tensor a = coeffs.narrow(0, 0, chunk.rows);
+  at::Tensor weights = at::empty({plan.chunk_rows, batch}, out.options());
+  call.for_each_chunk(plan, margin, eps, [&](const MiningChunk& chunk) {
+    C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
+    C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr, nullptr,
+                                    weights.data_ptr<float>(), call.stream));
+    const at::Tensor a = weights.narrow(0, 0, chunk.rows);
     const at::Tensor rows = x.narrow(0, chunk.first, chunk.rows);
     out.narrow(0, chunk.first, chunk.rows) += a.sum(1, true) * (rows + eps) - at::mm(a, x);
     out += a.sum(0).unsqueeze(1) * (x - eps) - at::mm(a.t(), rows);
   });
+}
+
+// The backward: the embeddings' gradient for the upstream gradient of the loss (float32, as the
+// forward's loss) and the forward's count and state.
+at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor& embeddings_in,
+                                    const at::Tensor& labels_in, const at::Tensor& count,
+                                    const at::Tensor& state, int64_t mining_code, double margin,
+                                    double eps, int64_t reduction, bool hinge_at_zero) {
+  const Mining mining = mining_of(mining_code);
+  check_reduction(reduction);
+  const MiningCall call(embeddings_in, labels_in);
+  const at::Tensor& embeddings = call.embeddings;
+  const int64_t batch = embeddings.size(0);
+  const auto on_device = [&](const at::Tensor& x) { return x.device() == embeddings.device(); };
+  TORCH_CHECK(grad_in.scalar_type() == at::kFloat && on_device(grad_in) &&
+                  grad_in.dim() == (reduction == kNone ? 1 : 0) &&
+                  (reduction != kNone || grad_in.size(0) == batch),
+              "fused_triplet mining: expected a float32 gradient of the loss's shape on the "
+              "embeddings' device, got ", grad_in.scalar_type(), " ", shape_text(grad_in), " on ",
+              grad_in.device());
+  TORCH_CHECK(count.scalar_type() == at::kFloat && count.dim() == 0 && on_device(count),
+              "fused_triplet mining: expected the forward's float32 count, got ",
+              count.scalar_type(), " ", shape_text(count));
+  const bool whole_weights = mining == Mining::kBatchAll && state.dim() == 2 &&
+                             state.size(0) == batch && state.size(1) == batch;
+  const bool hard_state = mining == Mining::kBatchHard && state.dim() == 2 &&
+                          state.size(0) == 4 && state.size(1) == batch;
+  TORCH_CHECK(on_device(state) && state.is_contiguous() &&
+                  (hard_state ? state.scalar_type() == at::kDouble
+                              : state.scalar_type() == at::kFloat &&
+                                    (whole_weights || state.numel() == 0)),
+              "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
+              shape_text(state));
+  TORCH_CHECK(!whole_weights || plan_mining(mining, batch, embeddings.size(1)).whole,
+              "fused_triplet mining: saved weights for a batch the plan does not keep whole");
+  const at::Tensor grad = grad_in.contiguous();
+  const Upstream up{grad.data_ptr<float>(), count.data_ptr<float>(), reduction};
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  const MiningChunk all = call.whole(call.labels, margin, eps);
+  at::Tensor out;
+  if (batch == 0) {
+    out = at::empty(embeddings.sizes(), embeddings.options());
+  } else if (mining == Mining::kBatchHard) {
+    out = at::empty(embeddings.sizes(), embeddings.options());
+    C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
+                                        out.data_ptr<float>(), call.stream));
+  } else if (whole_weights) {
+    out = at::empty(embeddings.sizes(), embeddings.options());
+    C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
+                                       out.data_ptr<float>(), call.stream));
+  } else {
+    out = at::zeros(embeddings.sizes(), embeddings.options());
+    batch_all_gradient_by_chunks(call, plan, up, margin, eps, out);
+  }
   return out.to(embeddings_in.scalar_type());
 }
+
+// The ops through the dispatcher: under torch.compile and fake tensors the calls below autograd
+// must reach the fake kernels and the tracer.
+const auto& mined_loss_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fused_triplet::mined_triplet_loss", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, bool)>();
+  return op;
+}
+
+const auto& mined_loss_backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fused_triplet::mined_triplet_loss_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t,
+                            bool)>();
+  return op;
+}
+
+class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& embeddings,
+                                                const at::Tensor& labels, int64_t mining,
+                                                double margin, double eps, int64_t reduction) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [loss, count, state] =
+        mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, true);
+    ctx->save_for_backward({embeddings, labels, count, state});
+    ctx->saved_data["mining"] = mining;
+    ctx->saved_data["margin"] = margin;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["reduction"] = reduction;
+    ctx->mark_non_differentiable({count, state});
+    ctx->set_materialize_grads(false);  // count and state never get a gradient (no zero fills)
+    return {loss, count, state};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    torch::autograd::variable_list out(6);  // the embeddings; labels and options get none
+    if (!grads[0].defined() || !ctx->needs_input_grad(0)) return out;
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "fused_triplet mining: the fused backward is not differentiable (create_graph="
+                "True); the float64 or CPU path is");
+    const auto saved = ctx->get_saved_variables();
+    out[0] = mined_loss_backward_op().call(
+        grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["mining"].toInt(),
+        ctx->saved_data["margin"].toDouble(), ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["reduction"].toInt(), hinge_passes_at_zero());
+    return out;
+  }
+};
+
+// Under autograd with embeddings that need a gradient: the forward keeps its state for the
+// backward; otherwise the op runs as it is (batch_all then keeps no weights).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
+    const at::Tensor& embeddings, const at::Tensor& labels, int64_t mining, double margin,
+    double eps, int64_t reduction, bool for_backward) {
+  if (at::GradMode::is_enabled() && embeddings.requires_grad()) {
+    auto out = MinedLossFunction::apply(embeddings, labels, mining, margin, eps, reduction);
+    return {out[0], out[1], out[2]};
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, for_backward);
+}
+
+// Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings,
+                                                                    const at::Tensor& labels,
+                                                                    double eps) {
+  const MiningCall call(embeddings, labels);
+  const int64_t batch = call.embeddings.size(0);
+  if (batch == 0) {
+    return {at::empty({0}, call.labels.options()), at::empty({0}, call.labels.options()),
+            at::empty({0}, call.labels.options().dtype(at::kBool))};
+  }
+  MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1));
+  if (plan.whole) {  // the Gram path in chunks as large as large batches get
+    plan.whole = false;
+    plan.chunk_rows = std::clamp<int64_t>((int64_t(1) << 24) / batch, 1, batch);
+  }
+  const auto [picks, valid] = mine_hardest(call, plan, eps);
+  return {picks[0], picks[1], valid};
+}
+
+int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mining)); }
 
 }  // namespace
 }  // namespace fused_triplet
 
 TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
-  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype).
-  // mine_batch_hard: per anchor, its hardest positive and negative (int64; the anchor itself where
-  // it has none) and whether it has both.
+  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining 0
+  // batch_hard, 1 batch_all; reduction as at::Reduction (0 none, 1 mean, 2 sum). Returns (loss,
+  // count, state): mined_loss_cuda says what each holds.
+  m.def("mined_triplet_loss(Tensor embeddings, Tensor labels, int mining, float margin, "
+        "float eps, int reduction, bool for_backward=False) -> (Tensor, Tensor, Tensor)");
+  m.def("mined_triplet_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, "
+        "Tensor count, Tensor state, int mining, float margin, float eps, int reduction, "
+        "bool hinge_at_zero) -> Tensor");
+  // The largest batch the plan keeps whole (the fake kernel's shape of batch_all's state).
+  m.def("mining_whole_rows(int mining) -> int", &fused_triplet::mining_whole_rows);
+  // Tests: batch_hard's large-batch mining alone.
   m.def("mine_batch_hard(Tensor embeddings, Tensor labels, float eps) -> (Tensor, Tensor, Tensor)");
-  // batch_all_loss: per anchor, the float32 sum of relu(margin + d_ap - d_an) over its triplets
-  // and how many are > 0; its backward takes the float32 gradient of the per-anchor sums.
-  m.def("batch_all_loss(Tensor embeddings, Tensor labels, float margin, float eps) "
-        "-> (Tensor, Tensor)");
-  m.def("batch_all_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, float margin, "
-        "float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
+  m.impl("mined_triplet_loss", &fused_triplet::mined_loss_cuda);
+  m.impl("mined_triplet_loss_backward", &fused_triplet::mined_loss_backward_cuda);
   m.impl("mine_batch_hard", &fused_triplet::mine_batch_hard_cuda);
-  m.impl("batch_all_loss", &fused_triplet::batch_all_loss_cuda);
-  m.impl("batch_all_loss_backward", &fused_triplet::batch_all_loss_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(fused_triplet, Autograd, m) {
+  m.impl("mined_triplet_loss", &fused_triplet::mined_loss_autograd);
 }
 // library-only }

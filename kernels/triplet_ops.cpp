@@ -635,6 +635,9 @@ at::Tensor upstream_history(const at::Tensor& anchor, const at::Tensor& positive
 }
 
 }  // namespace
+
+bool hinge_passes_at_zero() { return hinge_at_zero.load(); }  // the mining backward's too
+
 }  // namespace fused_triplet
 
 TORCH_LIBRARY(fused_triplet, m) {

@@ -207,10 +207,11 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
     assert "TORCH_LIBRARY(fused_triplet" in cpp and "__global__" not in cpp
     assert '#include "' not in cuda + cpp
     kernels = sorted(re.findall(r"__global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", cuda))
-    assert kernels == ["backward_check_kernel", "backward_pointwise_kernel",
+    assert kernels == ["all_gradient_kernel", "backward_check_kernel", "backward_pointwise_kernel",
                        "backward_rows_kernel", "batch_all_kernel", "distances_kernel",
                        "forward_finish_kernel", "forward_one_pass_kernel", "forward_ring_kernel",
-                       "forward_rows_kernel", "gram_rows_kernel", "hardest_kernel"], kernels
+                       "forward_rows_kernel", "gram_rows_kernel", "hard_gradient_kernel",
+                       "hard_loss_kernel", "hardest_kernel", "mined_total_kernel"], kernels
 
 
 def test_build_is_marked_constant_as_torch_compile_marks_it():

@@ -204,7 +204,7 @@ def reference_loss(x, labels, mining, margin, reduction):
     """The torch reference on x's values as a leaf of x's dtype, (float32 for 2-byte x): the
     loss and the leaf."""
     leaf = x.detach().clone().requires_grad_(True)
-    losses, counted = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6, fused=False)
+    losses, counted = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6)
     if reduction == "none":
         return losses, leaf
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
@@ -238,19 +238,27 @@ def test_kernels_match_the_reference(mining, reduction, dtype, batch, dim, class
                                 floor=1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def fused_picks(x, labels, eps=1e-6):
+    """(positive, negative, valid) per anchor as the mined op chose them (its state)."""
+    _, _, state = ft._ops().mined_triplet_loss(x, labels, 0, 1.0, eps, 1)
+    positive, negative = state[0].long(), state[1].long()
+    return positive, negative, positive != torch.arange(len(labels), device=x.device)
+
+
 @requires_cuda
-@pytest.mark.parametrize("batch", [512, 2048, 2046])  # 2048: 16-byte loads of the Gram rows
+@pytest.mark.parametrize("batch", [512, 2048, 2046, 2100])  # 2048: 16-byte loads of the Gram rows
 @pytest.mark.parametrize("offset,spread", [(0.0, 1.0), (1e3, 1e-2), (0.0, 1e-4)])
 def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
     # Far from the origin, close together, or both: the Gram products' candidates must still be
-    # decided by the exact distance.
+    # decided by the exact distance; so must the whole batch's exact distances (up to 2048 rows).
     g = torch.Generator().manual_seed(11)
     x = (offset + spread * torch.randn(batch, 64, generator=g, dtype=torch.float64)).float().double()
     labels = torch.randint(0, 16, (batch,), generator=g)
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    got = ft._ops().mine_batch_hard(x.float().cuda(), labels.cuda(), 1e-6)
-    for ours, theirs in zip(got, want):
-        assert torch.equal(ours.cpu(), theirs)
+    for mine in (ft._ops().mine_batch_hard, fused_picks):
+        got = mine(x.float().cuda(), labels.cuda(), 1e-6)
+        for ours, theirs in zip(got, want):
+            assert torch.equal(ours.cpu(), theirs)
 
 
 @requires_cuda
@@ -263,19 +271,21 @@ def test_batch_hard_with_nan_and_inf_rows(batch):
     x[10, 0], x[11, 0], x[12, 5] = float("inf"), float("-inf"), float("inf")
     x[20] = 1e30  # finite, but its squared distances overflow: ties of inf, the first index
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    got = ft._ops().mine_batch_hard(x.cuda(), labels.cuda(), 1e-6)
-    for ours, theirs in zip(got, want):
-        assert torch.equal(ours.cpu(), theirs)
+    for mine in (ft._ops().mine_batch_hard, fused_picks):
+        got = mine(x.cuda(), labels.cuda(), 1e-6)
+        for ours, theirs in zip(got, want):
+            assert torch.equal(ours.cpu(), theirs)
 
 
 @requires_cuda
 def test_batch_hard_ties_and_duplicates():
     x = torch.randn(16, 8, device="cuda").repeat(4, 1)  # every row four times
     labels = torch.arange(16, device="cuda").repeat(4) % 5
-    positive, negative, valid = ft._ops().mine_batch_hard(x, labels, 1e-6)
     want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
-    assert torch.equal(positive, want[0]) and torch.equal(negative, want[1])
-    assert torch.equal(valid, want[2])
+    for mine in (ft._ops().mine_batch_hard, fused_picks):
+        positive, negative, valid = mine(x, labels, 1e-6)
+        assert torch.equal(positive, want[0]) and torch.equal(negative, want[1])
+        assert torch.equal(valid, want[2])
 
 
 @requires_cuda
@@ -292,18 +302,33 @@ def test_kernels_are_deterministic(mining):
 
 
 @requires_cuda
-def test_several_chunks_of_anchors():
-    # 9000 anchors: two chunks of the kernels' 2^26-float buffer; the reference on a few anchors
-    x, labels = labelled_batch(9000, 16, 1000, dtype=torch.float32, device="cuda", seed=13)
-    hard = ft._ops().mine_batch_hard(x, labels, 1e-6)
-    want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
-    for ours, theirs in zip(hard, want):
-        assert torch.equal(ours, theirs)
-    losses, active = ft._ops().batch_all_loss(x, labels, 0.5, 1e-6)
-    for start, stop in ((0, 20), (7440, 7480), (8980, 9000)):
-        want_loss, want_active = ft._batch_all_rows(x.double(), labels, start, stop, 0.5, 2.0, 1e-6)
-        torch.testing.assert_close(losses[start:stop].double(), want_loss, rtol=1e-5, atol=1e-5)
-        assert torch.equal(active[start:stop], want_active)
+@pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500)])
+def test_large_batches_in_chunks(mining, batch):
+    # Past the whole batch's sizes: batch_hard's Gram mining in chunks, batch_all's distances and
+    # gradient a chunk of anchors at a time. The reference on a few anchors: their losses, and the
+    # gradient of a weighted sum of them (the other anchors' weights 0).
+    x, labels = labelled_batch(batch, 16, batch // 9, dtype=torch.float32, device="cuda", seed=13)
+    e = x.clone().requires_grad_(True)
+    losses = ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5, reduction="none")
+    weights = torch.zeros(batch, device="cuda")
+    few = [0, 1, 7, batch // 2, batch - 1]
+    weights[few] = torch.rand(len(few), device="cuda") + 0.5
+    (grad,) = torch.autograd.grad((losses * weights).sum(), e)
+    leaf = x.double().requires_grad_(True)
+    if mining == "batch_hard":
+        want = ft._mined_losses(leaf, labels, mining, 0.5, 2.0, 1e-6)[0]
+    else:
+        want = torch.zeros(batch, dtype=torch.float64, device="cuda")
+        for i in few:
+            want = want.index_put((torch.tensor([i], device="cuda"),),
+                                  ft._batch_all_rows(leaf, labels, i, i + 1, 0.5, 2.0, 1e-6)[0])
+    (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
+    torch.testing.assert_close(losses[few].double(), want[few], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-5)
+    total, count, _ = ft._ops().mined_triplet_loss(x, labels, ft._MININGS.index(mining), 0.5,
+                                                   1e-6, 2)
+    torch.testing.assert_close(total, losses.sum(), rtol=1e-5, atol=1e-5)
+    assert count.item() > 0
 
 
 @requires_cuda
@@ -312,16 +337,70 @@ def test_ops_opcheck():
     ops = torch.ops.fused_triplet
     ft.build()
     torch.library.opcheck(ops.mine_batch_hard, (x, labels, 1e-6))
-    torch.library.opcheck(ops.batch_all_loss, (x.requires_grad_(True), labels, 0.5, 1e-6))
-    grad = torch.rand(40, device="cuda")
-    torch.library.opcheck(ops.batch_all_loss_backward, (grad, x.detach(), labels, 0.5, 1e-6))
+    for mining, reduction in itertools.product((0, 1), (0, 1, 2)):
+        torch.library.opcheck(ops.mined_triplet_loss,
+                              (x.clone().requires_grad_(True), labels, mining, 0.5, 1e-6, reduction))
+        _, count, state = ops.mined_triplet_loss(x, labels, mining, 0.5, 1e-6, reduction, True)
+        grad = torch.rand(40 if reduction == 0 else (), device="cuda")
+        torch.library.opcheck(ops.mined_triplet_loss_backward,
+                              (grad, x, labels, count, state, mining, 0.5, 1e-6, reduction, True))
+
+
+@requires_cuda
+@pytest.mark.parametrize("mining", MININGS)
+def test_a_training_step_in_a_cuda_graph(mining):
+    # No host synchronisation and no device-to-host copy: the step is captured and replayed, and
+    # replays on new embeddings give the eager step's loss and gradient.
+    x, labels = labelled_batch(256, 64, 32, dtype=torch.float32, device="cuda", seed=4)
+    e = x.clone().requires_grad_(True)
+
+    def step():
+        e.grad = None
+        loss = ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    e.grad = None
+    with torch.cuda.graph(graph):
+        loss = ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5)
+        loss.backward()
+    for seed in (5, 6):
+        fresh, _ = labelled_batch(256, 64, 32, dtype=torch.float32, device="cuda", seed=seed)
+        with torch.no_grad():
+            e.copy_(fresh)
+        graph.replay()
+        eager = fresh.clone().requires_grad_(True)
+        want = ft.mined_triplet_margin_loss(eager, labels, mining, margin=0.5)
+        want.backward()
+        assert torch.equal(loss, want) and torch.equal(e.grad, eager.grad)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mining", MININGS)
+def test_a_step_never_synchronises(mining):
+    x, labels = labelled_batch(1024, 128, 128, dtype=torch.float32, device="cuda", seed=8)
+    e = x.clone().requires_grad_(True)
+    ft.mined_triplet_margin_loss(e, labels, mining).backward()  # built and warm
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ft.mined_triplet_margin_loss(e, labels, mining).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @requires_cuda
 @pytest.mark.parametrize("mining", MININGS)
 def test_under_torch_compile(mining):
     x, labels = labelled_batch(128, 32, 8, dtype=torch.float32, device="cuda", seed=3)
-    compiled = torch.compile(lambda e, y: ft.mined_triplet_margin_loss(e, y, mining))
+    compiled = torch.compile(lambda e, y: ft.mined_triplet_margin_loss(e, y, mining),
+                             fullgraph=True)
     e1, e2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     eager = ft.mined_triplet_margin_loss(e1, labels, mining)
     got = compiled(e2, labels)
@@ -344,16 +423,27 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
     x, labels = labelled_batch(8, 4, 2, dtype=torch.float32, device="cuda")
     ops = torch.ops.fused_triplet
     ft.build()
+    _, count, state = ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, True)
+    one = torch.ones((), device="cuda")
     bad = [
         lambda: ops.mine_batch_hard(x.double(), labels, 1e-6),
         lambda: ops.mine_batch_hard(x, labels.int(), 1e-6),
         lambda: ops.mine_batch_hard(x, labels[:-1], 1e-6),
         lambda: ops.mine_batch_hard(x[0], labels, 1e-6),
         lambda: ops.mine_batch_hard(x, labels.cpu(), 1e-6),
-        lambda: ops.batch_all_loss(x.to(torch.float8_e4m3fn), labels, 0.5, 1e-6),
-        lambda: ops.batch_all_loss_backward(torch.ones(8, device="cuda").half(), x, labels, 0.5,
-                                            1e-6),
-        lambda: ops.batch_all_loss_backward(torch.ones(7, device="cuda"), x, labels, 0.5, 1e-6),
+        lambda: ops.mined_triplet_loss(x.to(torch.float8_e4m3fn), labels, 1, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 3),
+        lambda: ops.mined_triplet_loss_backward(one.half(), x, labels, count, state, 0, 0.5, 1e-6,
+                                                1, True),
+        lambda: ops.mined_triplet_loss_backward(torch.ones(7, device="cuda"), x, labels, count,
+                                                state, 0, 0.5, 1e-6, 0, True),
+        lambda: ops.mined_triplet_loss_backward(one, x, labels, count, state[:, :4], 0, 0.5, 1e-6,
+                                                1, True),
+        lambda: ops.mined_triplet_loss_backward(one, x, labels, count, state.float(), 0, 0.5,
+                                                1e-6, 1, True),
+        lambda: ops.mined_triplet_loss_backward(one, x, labels, count, torch.ones(9, 9, device="cuda"),
+                                                1, 0.5, 1e-6, 1, True),
     ]
     for call in bad:
         with pytest.raises(RuntimeError, match="fused_triplet mining"):
