@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -248,46 +249,43 @@ def bench_loop(shape, name, rounds, warmup, margin=1.0):
     return rows
 
 
-# In-batch mining, fwd+bwd of the mean loss, labels 8 per class: (mining, batch, dim, dtype, the
-# formulation users write today, or None where only the fused loss fits or is asked for).
-MINING_CASES = [("batch_hard", 16384, 512, "fp32", "cdist + masks"),
-                ("batch_hard", 32768, 512, "bf16", "cdist + masks"),
-                ("batch_hard", 256, 2048, "fp32", "cdist + masks"),
-                ("batch_hard", 65536, 512, "bf16", None),
-                ("batch_all", 1024, 512, "fp32", "B x B x B"),
-                ("batch_all", 2048, 512, "fp32", "B x B x B"),
-                ("batch_all", 32768, 512, "fp32", None)]
+# In-batch mining, fwd+bwd of the mean loss on leaf embeddings, labels 8 per class:
+# (mining, batch, dim, dtype). Contenders where they fit: the plain fused triplet step of the same
+# (B, D), sentence-transformers' BatchHardTripletLoss and pytorch-metric-learning's BatchHardMiner +
+# TripletMarginLoss (test extras, skipped with a line when absent); the B x B x D matmul floors.
+MINING_SHAPES = [(64, 128), (256, 512), (1024, 512), (4096, 512), (16384, 512), (32768, 128),
+                 (65536, 512)]
+MINING_CASES = ([(m, b, d, "fp32") for m in ("batch_hard", "batch_all") for b, d in MINING_SHAPES]
+                + [("batch_hard", b, d, "bf16") for b, d in MINING_SHAPES if b >= 16384])
 MINING_RESULTS = "results/h200_mining.json"
+PLAIN_STEP_MAX_BATCH = 1024   # the plain step is the small batches' yardstick
+LIBRARY_MAX_BATCH = 32768     # the libraries' B x B matrices: several GiB each beyond this
 
 
-def _cdist(e):
-    """torch.cdist, in float32 where it lacks the dtype (as users then write it)."""
+def sentence_transformers_batch_hard(margin):
+    """sentence-transformers' BatchHardTripletLoss on embeddings, or why it cannot run."""
     try:
-        return torch.cdist(e, e)
-    except RuntimeError:
-        return torch.cdist(e.float(), e.float())
+        from sentence_transformers import losses
+    except ImportError as error:
+        return f"sentence-transformers not installed ({error})"
+    loss = losses.BatchHardTripletLoss(model=None, margin=margin)
+    if hasattr(loss, "compute_loss_from_embeddings"):
+        return lambda e, labels: loss.compute_loss_from_embeddings([e], labels)
+    return lambda e, labels: loss.batch_hard_triplet_loss(labels, e)
 
 
-def masks_batch_hard(e, labels, margin=1.0):
-    """Batch-hard as metric-learning code writes it: the B x B matrix, label masks, max / min."""
-    d = _cdist(e)
-    same = labels[:, None] == labels[None, :]
-    positive = same & ~torch.eye(len(labels), dtype=torch.bool, device=e.device)
-    hardest_positive = d.masked_fill(~positive, 0).amax(1)
-    hardest_negative = d.masked_fill(same, float("inf")).amin(1)
-    valid = positive.any(1) & ~same.all(1)
-    losses = torch.relu(margin + hardest_positive - hardest_negative) * valid
-    return losses.sum() / valid.sum().clamp_min(1)
-
-
-def cube_batch_all(e, labels, margin=1.0):
-    """Batch-all as metric-learning code writes it: every (i, j, k) of a B x B x B tensor."""
-    d = _cdist(e)
-    same = labels[:, None] == labels[None, :]
-    positive = same & ~torch.eye(len(labels), dtype=torch.bool, device=e.device)
-    triplets = positive[:, :, None] & ~same[:, None, :]
-    losses = torch.relu(margin + d[:, :, None] - d[:, None, :]) * triplets
-    return losses.sum() / (losses > 0).sum().clamp_min(1)
+def pml_batch_hard(margin):
+    """pytorch-metric-learning's BatchHardMiner + TripletMarginLoss (its distance without
+    normalising, as ours), or why it cannot run."""
+    try:
+        from pytorch_metric_learning import distances, losses, miners, reducers
+    except ImportError as error:
+        return f"pytorch-metric-learning not installed ({error})"
+    distance = distances.LpDistance(normalize_embeddings=False)
+    miner = miners.BatchHardMiner(distance=distance)
+    loss = losses.TripletMarginLoss(margin=margin, distance=distance,
+                                    reducer=reducers.MeanReducer())
+    return lambda e, labels: loss(e, labels, miner(e, labels))
 
 
 def peak_extra(fn, *args):
@@ -300,87 +298,165 @@ def peak_extra(fn, *args):
     return out, torch.cuda.max_memory_allocated() - before
 
 
-def bench_mining(mining, batch, dim, dtype_name, baseline, rounds, warmup, margin=1.0):
-    """fwd+bwd of the mined mean loss, the baseline formulation against fused_triplet's; peak
-    extra memory is max_memory_allocated during one step beyond the embeddings."""
+def launches_and_syncs(fn, args):
+    """(kernels, copies and fills launched, host synchronisations and device-to-host copies) of
+    one call, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+    device = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    syncs = [e for e in prof.events() if e.name in (
+        "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")]
+    to_host = [e for e in device if "DtoH" in e.name or "Device -> Pageable" in e.name
+               or "Device -> Pinned" in e.name]
+    return len(device), len(syncs) + len(to_host)
+
+
+def time_synced(fns: dict, args, rounds: int, warmup: int):
+    """{name: [ms per round]} with the host in the window: synchronised before, each call timed
+    on the host clock until the device has finished it, contenders interleaved."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn(*args)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn(*args)
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def bench_mining(mining, batch, dim, dtype_name, rounds, warmup, margin=1.0):
+    """One mining case: every contender's synced step, GPU time, launches and synchronisations
+    per step and peak extra memory beyond the inputs and their gradients; the matmul floors."""
     torch.manual_seed(0)
     dtype = DTYPES[dtype_name]
     e = torch.randn(batch, dim, device="cuda").to(dtype).requires_grad_()
     labels = (torch.arange(batch, device="cuda") // 8)[torch.randperm(batch, device="cuda")]
-    fns = {"fused_triplet": lambda x, y: fused_triplet.mined_triplet_margin_loss(
+    losses = {"fused_triplet": lambda x, y: fused_triplet.mined_triplet_margin_loss(
         x, y, mining, margin=margin)}
-    if baseline:
-        base = masks_batch_hard if mining == "batch_hard" else cube_batch_all
-        fns = {baseline: lambda x, y: base(x, y, margin), **fns}
-    steps, extra, results, failed = {}, {}, {}, {}
-    for name, fn in fns.items():
-        def step(x, y, fn=fn):
+    skipped = {}
+    if batch <= LIBRARY_MAX_BATCH:
+        for name, make in (("s-t BatchHard", sentence_transformers_batch_hard),
+                           ("pml BatchHard", pml_batch_hard)):
+            loss = make(margin)
+            if isinstance(loss, str):
+                skipped[name] = loss
+            else:
+                losses[name] = loss
+    steps, inputs = {}, {}
+    for name, loss in losses.items():
+        def step(x, y, loss=loss):
             x.grad = None
-            loss = fn(x, y)
-            loss.backward()
-            return loss
-        try:
-            step(e, labels)
-            e.grad = None
-            loss, extra[name] = peak_extra(step, e, labels)
-        except torch.OutOfMemoryError:
-            failed[name] = "out of memory"
-            e.grad = None
-            torch.cuda.empty_cache()
-            continue
-        results[name] = [loss.detach()]
-        steps[name] = step
-    times = time_interleaved(steps, (e, labels), rounds, warmup, lead_factor=MINING_LEAD_FACTOR)
-    rows = []
-    for name in fns:
+            out = loss(x, y)
+            out.backward()
+            return out
+        steps[name], inputs[name] = step, (e, labels)
+    if batch <= PLAIN_STEP_MAX_BATCH:
+        a, p, n = (torch.randn(batch, dim, device="cuda").to(dtype).requires_grad_()
+                   for _ in range(3))
+
+        def plain(a, p, n):
+            a.grad = p.grad = n.grad = None
+            out = fused_triplet.triplet_margin_loss(a, p, n, margin=margin)
+            out.backward()
+            return out
+        steps["plain fused step"], inputs["plain fused step"] = plain, (a, p, n)
+    rows, alive = [], {}
+    for name, step in steps.items():
         row = {"shape": [batch, dim], "dtype": str(dtype).replace("torch.", ""),
                "mode": f"mined {mining}", "contender": name}
-        if name in failed:
-            row["failed"] = failed[name]
-        else:
-            row.update(median_ms=statistics.median(times[name]), min_ms=min(times[name]),
-                       extra_mib=extra[name] / 2**20, loss=results[name][0].item())
+        try:
+            args = inputs[name]
+            step(*args)
+            grads = sum(x.numel() * x.element_size() for x in args if x.is_floating_point())
+            out, extra = peak_extra(step, *args)
+            row.update(loss=out.item(), extra_mib=(extra - grads) / 2**20)
+            row["launches"], row["syncs"] = launches_and_syncs(step, args)
+            alive[name] = step
+        except torch.OutOfMemoryError:
+            row["failed"] = "out of memory"
+            torch.cuda.empty_cache()
         rows.append(row)
-    ours = rows[-1]
+    if not alive:
+        return rows
+    # each contender with its own inputs: wrap so the timers call every one with no arguments
+    calls = {name: (lambda step=step, args=inputs[name]: step(*args)) for name, step in alive.items()}
+    synced = time_synced(calls, (), rounds, warmup)
+    gpu = time_interleaved(calls, (), rounds, warmup, lead_factor=MINING_LEAD_FACTOR)
     for row in rows:
-        if "median_ms" in row:
-            row["fused_speedup"] = row["median_ms"] / ours["median_ms"]
-            row["fused_memory_ratio"] = row["extra_mib"] / ours["extra_mib"]
+        if row["contender"] in alive:
+            row.update(step_ms=statistics.median(synced[row["contender"]]),
+                       gpu_ms=statistics.median(gpu[row["contender"]]))
+    ours = rows[0]
+    for row in rows:
+        if "step_ms" in row and "step_ms" in ours:
+            row["fused_speedup"] = row["step_ms"] / ours["step_ms"]
+    for name, why in skipped.items():
+        rows.append({"shape": [batch, dim], "dtype": rows[0]["dtype"], "mode": f"mined {mining}",
+                     "contender": name, "failed": why})
+    for floor_dtype in (torch.float32, torch.bfloat16):
+        x = e.detach().to(floor_dtype)
+        try:
+            t = time_interleaved({"mm": lambda x=x: x @ x.t()}, (), min(rounds, 10), 2)["mm"]
+            rows.append({"shape": [batch, dim], "dtype": str(floor_dtype).replace("torch.", ""),
+                         "mode": f"mined {mining}", "contender": "B x B x D matmul",
+                         "gpu_ms": statistics.median(t)})
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+        del x
     return rows
 
 
 def print_mining_table(rows):
-    head = (f"{'mode':>18} {'shape':>11} {'dtype':>9} {'contender':>14} {'median ms':>10} "
-            f"{'fused x':>8} {'extra MiB':>10} {'memory x':>9} {'loss':>10}")
+    head = (f"{'mode':>18} {'shape':>11} {'dtype':>9} {'contender':>17} {'step ms':>9} "
+            f"{'GPU ms':>9} {'fused x':>8} {'launches':>8} {'syncs':>5} {'extra MiB':>10} "
+            f"{'loss':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
         shape = "x".join(str(v) for v in r["shape"])
+        lead = f"{r['mode']:>18} {shape:>11} {r['dtype']:>9} {r['contender']:>17}"
         if "failed" in r:
-            print(f"{r['mode']:>18} {shape:>11} {r['dtype']:>9} {r['contender']:>14} "
-                  f"{r['failed']:>10}")
+            print(f"{lead} {r['failed']}")
             continue
-        print(f"{r['mode']:>18} {shape:>11} {r['dtype']:>9} {r['contender']:>14} "
-              f"{r['median_ms']:>10.3f} {r['fused_speedup']:>7.2f}x {r['extra_mib']:>10.1f} "
-              f"{r['fused_memory_ratio']:>8.1f}x {r['loss']:>10.5f}")
+        def num(key, fmt):
+            return format(r[key], fmt) if key in r else "-"
+        print(f"{lead} {num('step_ms', '9.3f')} {num('gpu_ms', '9.3f')} "
+              f"{num('fused_speedup', '7.2f')}{'x' if 'fused_speedup' in r else ' '} "
+              f"{num('launches', '8d')} {num('syncs', '5d')} {num('extra_mib', '10.1f')} "
+              f"{num('loss', '10.5f')}")
 
 
 def readme_mining_table(rows):
-    """README's mining table: each case's fused step against the formulation users write, with
-    the extra memory each takes."""
-    lines = ["| mining | B x D | dtype | written as | its step | fused_triplet | its memory | "
-             "fused memory |", "|---|---|---|---|---:|---:|---:|---:|"]
+    """README's mining table: each case's step (host in the window) against the plain fused
+    step and the libraries, and the matmul floor of its GPU time."""
+    lines = ["| mining | B x D | dtype | fused_triplet step | GPU | launches | plain fused step | "
+             "sentence-transformers | pytorch-metric-learning | bf16 matmul |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, shape, dtype in dict.fromkeys((r["mode"], tuple(r["shape"]), r["dtype"])
-                                            for r in rows):
-        case = [r for r in rows if (r["mode"], tuple(r["shape"]), r["dtype"]) == (mode, shape, dtype)]
-        fused, others = case[-1], case[:-1]
-        other = others[0] if others else None
-        step = ("-" if other is None else other.get("failed") or
-                f"{other['median_ms']:.2f} ms ({other['fused_speedup']:.1f}x)")
-        memory = "-" if other is None or "failed" in other else f"{other['extra_mib']:.0f} MiB"
+                                            for r in rows if r["contender"] == "fused_triplet"):
+        case = {r["contender"]: r for r in rows if (r["mode"], tuple(r["shape"])) == (mode, shape)
+                and (r["dtype"] == dtype or r["contender"] == "B x B x D matmul")}
+        floor = [r for r in rows if (r["mode"], tuple(r["shape"])) == (mode, shape)
+                 and r["contender"] == "B x B x D matmul" and r["dtype"] == "bfloat16"]
+        ours = case["fused_triplet"]
+
+        def other(name):
+            r = case.get(name)
+            if r is None or "failed" in r:
+                return "-" if r is None or "not installed" in r["failed"] else r["failed"]
+            return f"{r['step_ms']:.2f} ms ({r['fused_speedup']:.1f}x)"
+        floor_text = f"{floor[0]['gpu_ms']:.2f} ms" if floor else "-"
         lines.append(f"| {mode.removeprefix('mined ')} | {shape[0]} x {shape[1]} | {dtype} | "
-                     f"{other['contender'] if other else '-'} | {step} | "
-                     f"**{fused['median_ms']:.2f} ms** | {memory} | {fused['extra_mib']:.0f} MiB |")
+                     f"**{ours['step_ms']:.2f} ms** | {ours['gpu_ms']:.2f} ms | {ours['launches']} | "
+                     f"{other('plain fused step')} | {other('s-t BatchHard')} | "
+                     f"{other('pml BatchHard')} | {floor_text} |")
     return "\n".join(lines)
 
 
@@ -529,7 +605,7 @@ def main(argv=None) -> int:
     parser.add_argument("--mining", action="store_true",
                         help="time mined_triplet_margin_loss (fwd+bwd) against the formulations "
                         "users write today: " + ", ".join(f"{m} {b}x{d} {t}"
-                                                         for m, b, d, t, _ in MINING_CASES))
+                                                         for m, b, d, t in MINING_CASES))
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",
@@ -576,12 +652,13 @@ def main(argv=None) -> int:
     if args.mining:
         rows = []
         for case in MINING_CASES:
-            _, batch, dim, _, _ = case
-            small = batch * batch * dim < 1 << 33  # well under a second per round: all rounds
-            rows += bench_mining(*case, rounds=args.rounds if small else min(args.rounds, 10),
-                                 warmup=args.warmup if small else min(args.warmup, 2))
+            _, batch, dim, _ = case
+            small = batch <= 4096  # well under a second per round: all rounds
+            case_rows = bench_mining(*case, rounds=args.rounds if small else min(args.rounds, 5),
+                                     warmup=args.warmup if small else min(args.warmup, 1))
+            rows += case_rows
             torch.cuda.empty_cache()
-            print_mining_table(rows[-2:] if case[-1] else rows[-1:])
+            print_mining_table(case_rows)
         print_mining_table(rows)
         write_json(args.json, props, rows)
         return 0

@@ -346,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
     plan.chunk_rows = std::clamp<int64_t>((int64_t(1) << 24) / batch, 1, batch);
   }
   const auto [picks, valid] = mine_hardest(call, plan, eps);
-  return {picks[0], picks[1], valid};
+  return {picks[0].clone(), picks[1].clone(), valid};  // outputs of their own, not views
 }
 
 int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mining)); }

@@ -153,7 +153,7 @@ def ab_mining(libraries: dict, first: str, rounds: int) -> list:
     rows = []
     print(f"{'mining':>10} {'shape':>10} {'dtype':>6} "
           + " ".join(f"{n[:9]:>9} {'MiB':>7}" for n in libraries) + f" {'new/' + first[:4]:>8}")
-    for mining, batch, dim, dtype_name, _ in bench.MINING_CASES:
+    for mining, batch, dim, dtype_name in bench.MINING_CASES:
         torch.manual_seed(0)
         e = torch.randn(batch, dim, device="cuda").to(bench.DTYPES[dtype_name]).requires_grad_()
         labels = (torch.arange(batch, device="cuda") // 8)[torch.randperm(batch, device="cuda")]

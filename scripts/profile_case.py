@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--timeline", action="store_true")
+    parser.add_argument("--mining", choices=["batch_hard", "batch_all"],
+                        help="mined_triplet_margin_loss on (B, D) embeddings, 8 per class")
     args = parser.parse_args()
     shape = tuple(int(v) for v in args.shape.split("x"))
     dtype = DTYPES[args.dtype]
@@ -44,6 +46,11 @@ def main():
               "eager": torch.nn.TripletMarginLoss()}[args.contender]
     if not args.forward_only:
         a, p, n = (x.requires_grad_() for x in (a, p, n))
+    if args.mining:  # a is the embeddings, p stands in for the labels
+        p = (torch.arange(shape[0], device="cuda") // 8)[torch.randperm(shape[0], device="cuda")]
+        n = a
+        module = lambda e, labels, _: fused_triplet.mined_triplet_margin_loss(  # noqa: E731
+            e, labels, args.mining)
 
     def step():
         for x in (a, p, n):
