@@ -36,9 +36,9 @@ namespace fused_triplet {
 // allowance beyond the embeddings).
 constexpr int64_t kWholeHardRows = 2048;
 constexpr int64_t kWholeAllRows = 4096;
-// Larger batches: a chunk x batch float buffer of at most 2^24 floats (64 MiB): the Gram
-// products stay large enough for the tensor cores, the memory within the bound at any batch.
-constexpr int64_t kChunkFloats = int64_t(1) << 24;
+// Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
+// products stay large enough for the tensor cores, the memory bounded at any batch.
+constexpr int64_t kChunkFloats = int64_t(1) << 26;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
 constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
@@ -47,7 +47,10 @@ constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
 constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives
-constexpr int kGradientRowsPerWarp = 8;  // batch_hard's gradient: 64 rows share one anchor scan
+// batch_hard's gradient: a warp per row where that fills the GPU; from 8192 rows 8 rows a warp, so
+// one scan of the anchors serves 64 rows (the scans' reads grow as batch^2 / rows per block).
+constexpr int64_t kGradientSharedScanRows = 8192;
+constexpr int kGradientRowsPerWarp = 8;
 constexpr int kGradientSlice = 8;     // ... each lane holding 8 elements of a row at a time
 constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per scan round
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
@@ -63,9 +66,9 @@ int64_t whole_batch_rows(Mining mining) {
   return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;
 }
 
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim) {
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole) {
   MiningPlan plan;
-  plan.whole = batch <= whole_batch_rows(mining);
+  plan.whole = allow_whole && batch <= whole_batch_rows(mining);
   plan.gram_bound = float(dim + 16) * kGramPerElementBound;
   plan.rounding_weight = kGramRoundingWeight;
   plan.chunk_rows = plan.whole ? std::max<int64_t>(batch, 1)
@@ -75,6 +78,7 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim) {
   // 16-byte groups only where every thread gets one: below, most warps would get no columns.
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
   plan.tile = kTile;
+  plan.gradient_rows_per_warp = batch >= kGradientSharedScanRows ? kGradientRowsPerWarp : 1;
   return plan;
 }
 
@@ -381,18 +385,31 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
   const int tx = threadIdx.x % (kTile / 4), ty = threadIdx.x / (kTile / 4);
   const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
   const float eps = chunk.eps;
-  float acc[4][4] = {};
-  for (int64_t k0 = 0; k0 < chunk.dim; k0 += kTileDepth) {
-    for (int e = threadIdx.x; e < kTile * kTileDepth; e += kTileThreads) {
-      const int r = e / kTileDepth, kk = e % kTileDepth;
+  constexpr int kLoads = kTile * kTileDepth / kTileThreads;
+  // Each step's elements are loaded into registers one step ahead, in flight during the sums.
+  float next_anchors[kLoads], next_candidates[kLoads];
+  const auto load = [&](int64_t k0) {
+#pragma unroll
+    for (int q = 0; q < kLoads; ++q) {
+      const int e = threadIdx.x + q * kTileThreads, r = e / kTileDepth, kk = e % kTileDepth;
       const int64_t k = k0 + kk, a = row0 + r, c = col0 + r;
       const bool inside = k < chunk.dim;
-      anchors[kk][r] = inside && a < chunk.rows
-                           ? embeddings[(chunk.first + a) * chunk.dim + k] : 0.f;
-      candidates[kk][r] = !inside ? eps
-                          : c < chunk.batch ? embeddings[c * chunk.dim + k] : 0.f;
+      next_anchors[q] = inside && a < chunk.rows
+                            ? embeddings[(chunk.first + a) * chunk.dim + k] : 0.f;
+      next_candidates[q] = !inside ? eps : c < chunk.batch ? embeddings[c * chunk.dim + k] : 0.f;
+    }
+  };
+  float acc[4][4] = {};
+  load(0);
+  for (int64_t k0 = 0; k0 < chunk.dim; k0 += kTileDepth) {
+#pragma unroll
+    for (int q = 0; q < kLoads; ++q) {
+      const int e = threadIdx.x + q * kTileThreads, r = e / kTileDepth, kk = e % kTileDepth;
+      anchors[kk][r] = next_anchors[q];
+      candidates[kk][r] = next_candidates[q];
     }
     __syncthreads();
+    if (k0 + kTileDepth < chunk.dim) load(k0 + kTileDepth);
 #pragma unroll
     for (int kk = 0; kk < kTileDepth; ++kk) {
       const float4 a = *reinterpret_cast<const float4*>(&anchors[kk][ty * 4]);
@@ -538,8 +555,9 @@ struct Hit {
 // an anchor, then the listed terms in order. One writer per row: no atomics.
 __global__ void __launch_bounds__(kRowThreads)
     hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
-                         float* grad) {
-  constexpr int kWarps = kRowThreads / 32, kTileRows = kWarps * kGradientRowsPerWarp;
+                         int rows_per_warp, float* grad) {
+  constexpr int kWarps = kRowThreads / 32;
+  const int kTileRows = kWarps * rows_per_warp;
   __shared__ Hit hits[kHitSlots];
   __shared__ int warp_counts[2][kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -587,8 +605,8 @@ __global__ void __launch_bounds__(kRowThreads)
       filled += total_positives + total_negatives;
     }
     __syncthreads();  // the list is written
-    for (int r = 0; r < kGradientRowsPerWarp; ++r) {
-      const int tile_row = warp * kGradientRowsPerWarp + r;
+    for (int r = 0; r < rows_per_warp; ++r) {
+      const int tile_row = warp * rows_per_warp + r;
       const int64_t m = tile_first + tile_row;
       if (m >= batch) break;
       const float* xm = x + m * dim;
@@ -612,14 +630,16 @@ __global__ void __launch_bounds__(kRowThreads)
             acc[u] = __fadd_rn(f_ap, f_an);
           }
         }
-        for (int h = 0; h < filled; ++h) {
-          const Hit hit = hits[h];
-          if (hit.row != tile_row) continue;
-          const float* xa = x + hit.anchor * dim;
+        for (int base = 0; base < filled; base += 32) {  // the row's hits, 32 looked at at once
+          const bool is_mine = base + lane < filled && hits[base + lane].row == tile_row;
+          for (unsigned mine = __ballot_sync(0xffffffffu, is_mine); mine != 0; mine &= mine - 1) {
+            const Hit hit = hits[base + __ffs(mine) - 1];
+            const float* xa = x + hit.anchor * dim;
 #pragma unroll
-          for (int u = 0; u < kGradientSlice; ++u) {
-            const int64_t k = k0 + 32 * u;
-            if (k < dim) acc[u] = __fadd_rn(acc[u], __fmul_rn(hit.coef, (xa[k] - row[u]) + eps));
+            for (int u = 0; u < kGradientSlice; ++u) {
+              const int64_t k = k0 + 32 * u;
+              if (k < dim) acc[u] = __fadd_rn(acc[u], __fmul_rn(hit.coef, (xa[k] - row[u]) + eps));
+            }
           }
         }
 #pragma unroll
@@ -757,21 +777,35 @@ __global__ void __launch_bounds__(kTileThreads)
   }
   const bool per_anchor = up.reduction == kNone;
   const float g_all = per_anchor ? 0.f : upstream_of(up, 0);
-  for (int64_t c0 = 0; c0 < batch; c0 += kTileDepth) {
+  constexpr int kLoads = kTile * kTileDepth / kTileThreads;
+  // Each step's elements are loaded into registers one step ahead, in flight during the sums.
+  float next_rows[kLoads], next_columns[kLoads], next_candidates[kLoads];
+  const auto load = [&](int64_t c0) {
 #pragma unroll
-    for (int e = threadIdx.x; e < kTile * kTileDepth; e += kTileThreads) {
+    for (int q = 0; q < kLoads; ++q) {
+      const int e = threadIdx.x + q * kTileThreads;
       const int r = e / kTileDepth, cc = e % kTileDepth;  // along a row of weights
       const int64_t m = row0 + r, c = c0 + cc;
-      from_rows[cc][r] = m < batch && c < batch
-                             ? (per_anchor ? up.grad[m] : g_all) * weights[m * batch + c] : 0.f;
+      next_rows[q] = m < batch && c < batch
+                         ? (per_anchor ? up.grad[m] : g_all) * weights[m * batch + c] : 0.f;
       const int r2 = e % kTile, cc2 = e / kTile;  // along a column
       const int64_t m2 = row0 + r2, c2 = c0 + cc2, k = col0 + r2;
-      from_columns[cc2][r2] = m2 < batch && c2 < batch
-                                  ? (per_anchor ? up.grad[c2] : g_all) * weights[c2 * batch + m2]
-                                  : 0.f;
-      candidates[cc2][r2] = c2 < batch && k < dim ? x[c2 * dim + k] : 0.f;
+      next_columns[q] = m2 < batch && c2 < batch
+                            ? (per_anchor ? up.grad[c2] : g_all) * weights[c2 * batch + m2] : 0.f;
+      next_candidates[q] = c2 < batch && k < dim ? x[c2 * dim + k] : 0.f;
+    }
+  };
+  load(0);
+  for (int64_t c0 = 0; c0 < batch; c0 += kTileDepth) {
+#pragma unroll
+    for (int q = 0; q < kLoads; ++q) {
+      const int e = threadIdx.x + q * kTileThreads;
+      from_rows[e % kTileDepth][e / kTileDepth] = next_rows[q];
+      from_columns[e / kTile][e % kTile] = next_columns[q];
+      candidates[e / kTile][e % kTile] = next_candidates[q];
     }
     __syncthreads();
+    if (c0 + kTileDepth < batch) load(c0 + kTileDepth);
 #pragma unroll
     for (int cc = 0; cc < kTileDepth; ++cc) {
       const float4 a = *reinterpret_cast<const float4*>(&from_rows[cc][ty * 4]);
@@ -861,9 +895,9 @@ cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, c
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                  const double* state, const Upstream& upstream, bool hinge_at_zero,
                                  float* grad, cudaStream_t stream) {
-  constexpr int64_t kTileRows = kRowThreads / 32 * kGradientRowsPerWarp;
-  hard_gradient_kernel<<<(chunk.batch + kTileRows - 1) / kTileRows, plan.row_block, 0, stream>>>(
-      chunk, state, upstream, hinge_at_zero, grad);
+  const int64_t tile_rows = plan.row_block / 32 * plan.gradient_rows_per_warp;
+  hard_gradient_kernel<<<(chunk.batch + tile_rows - 1) / tile_rows, plan.row_block, 0, stream>>>(
+      chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
   return cudaGetLastError();
 }
 

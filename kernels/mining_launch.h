@@ -20,9 +20,11 @@ struct MiningPlan {
   float gram_bound;       // the Gram products' accumulation error, relative to |x~_i| |x~_c|
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
   int tile;               // the tiled kernels' square tile of (row, column) pairs
+  int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
 };
 
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim);
+// allow_whole false: chunks at any batch (tests of the large batches' kernels).
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole = true);
 // The largest batch whose distances stay whole (the shape of batch_all's saved weights).
 int64_t whole_batch_rows(Mining mining);
 

@@ -340,11 +340,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
     return {at::empty({0}, call.labels.options()), at::empty({0}, call.labels.options()),
             at::empty({0}, call.labels.options().dtype(at::kBool))};
   }
-  MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1));
-  if (plan.whole) {  // the Gram path in chunks as large as large batches get
-    plan.whole = false;
-    plan.chunk_rows = std::clamp<int64_t>((int64_t(1) << 24) / batch, 1, batch);
-  }
+  const MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1), false);
   const auto [picks, valid] = mine_hardest(call, plan, eps);
   return {picks[0].clone(), picks[1].clone(), valid};  // outputs of their own, not views
 }
