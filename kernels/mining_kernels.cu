@@ -553,32 +553,40 @@ struct Hit {
 // tile row as positive or negative and lists them (anchor order; a full list is worked off
 // before the scan goes on); each warp then writes its rows slice by slice: the row's own term as
 // an anchor, then the listed terms in order. One writer per row: no atomics.
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kRowThreads, 1)
     hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
                          int rows_per_warp, float* grad) {
   constexpr int kWarps = kRowThreads / 32;
-  const int kTileRows = kWarps * rows_per_warp;
+  const int tile_rows = kWarps * rows_per_warp;
   __shared__ Hit hits[kHitSlots];
   __shared__ int warp_counts[2][kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t batch = chunk.batch, dim = chunk.dim, tile_first = int64_t(blockIdx.x) * kTileRows;
+  const int64_t batch = chunk.batch, dim = chunk.dim, tile_first = int64_t(blockIdx.x) * tile_rows;
+  const auto in_tile = [&](int64_t row) { return uint64_t(row - tile_first) < uint64_t(tile_rows); };
   const float* x = chunk.embeddings;
   const float eps = chunk.eps;
   int64_t next = 0;
   bool first_round = true;
   do {
     int filled = 0;
+    // Each group's choices are read one group ahead, in flight during the last one's barriers.
+    const auto choices = [&](int64_t i) {  // anchor i's positive and negative (-1, -1: none)
+      return i < batch ? make_longlong2(int64_t(state[i]), int64_t(state[batch + i]))
+                       : make_longlong2(-1, -1);
+    };
+    longlong2 ahead = choices(next + threadIdx.x);
     for (; next < batch; next += kRowThreads) {
       const int64_t i = next + threadIdx.x;
+      const int64_t chose_positive = ahead.x, chose_negative = ahead.y;
+      ahead = choices(i + kRowThreads);
+      const bool near = i < batch && (in_tile(chose_positive) || in_tile(chose_negative));
+      if (!__syncthreads_or(near)) continue;  // most groups chose no row of the tile
       bool as_positive = false, as_negative = false;
       HardScales s{0, 0, 0.f, 0.f};
-      if (i < batch) {
-        const int64_t p = int64_t(state[i]) - tile_first, n = int64_t(state[batch + i]) - tile_first;
-        if ((p >= 0 && p < kTileRows) || (n >= 0 && n < kTileRows)) {
-          s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero);
-          as_positive = s.positive != i && p >= 0 && p < kTileRows;
-          as_negative = s.positive != i && n >= 0 && n < kTileRows;
-        }
+      if (near) {
+        s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero);
+        as_positive = s.positive != i && in_tile(chose_positive);
+        as_negative = s.positive != i && in_tile(chose_negative);
       }
       const unsigned positives = __ballot_sync(0xffffffffu, as_positive);
       const unsigned negatives = __ballot_sync(0xffffffffu, as_negative);
@@ -614,7 +622,8 @@ __global__ void __launch_bounds__(kRowThreads)
       const HardScales own =
           first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m), hinge_at_zero)
                       : HardScales{0, 0, 0.f, 0.f};
-      for (int64_t k0 = lane; k0 < dim; k0 += 32 * kGradientSlice) {
+      for (int64_t slice = 0; slice < dim; slice += 32 * kGradientSlice) {  // all lanes in step
+        const int64_t k0 = slice + lane;
         float row[kGradientSlice], acc[kGradientSlice];
 #pragma unroll
         for (int u = 0; u < kGradientSlice; ++u) {

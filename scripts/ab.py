@@ -12,6 +12,8 @@ Add --compile to time torch.compile too. --mining: mined_triplet_margin_loss's f
 bench.py's mining cases instead, with each library's peak extra memory.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib
 import json
@@ -46,7 +48,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, action="append",
                         help="another checkout's root folder, as FOLDER or NAME=FOLDER")
-    parser.add_argument("--shapes", default=bench.SWEEP_SHAPES)
+    parser.add_argument("--shapes", help=f"default {bench.SWEEP_SHAPES}; with --mining, "
+                        "those of its cases to time (default all)")
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--modes", default="forward,fwd+bwd",
                         help="forward, fwd+bwd (loss.backward()), weighted ((0.5 * loss).backward()), "
@@ -89,7 +92,7 @@ def main() -> int:
     first = next(iter(bases))
 
     if args.mining:
-        rows = ab_mining(libraries, first, args.rounds)
+        rows = ab_mining(libraries, first, args.rounds, args.shapes)
         args.modes = ""
     else:
         rows = []
@@ -99,7 +102,7 @@ def main() -> int:
               + f" {'new/' + first[:4]:>8}")
     for mode in filter(None, args.modes.split(",")):
         for dtype_name in args.dtypes.split(","):
-            for shape in bench.parse_shapes(args.shapes):
+            for shape in bench.parse_shapes(args.shapes or bench.SWEEP_SHAPES):
                 dtype = bench.DTYPES[dtype_name]
                 inputs = bench.make_inputs(shape, dtype)
                 modules = {name: lib.TripletMarginLoss() for name, lib in libraries.items()}
@@ -144,7 +147,7 @@ def main() -> int:
     return 0
 
 
-def ab_mining(libraries: dict, first: str, rounds: int) -> list:
+def ab_mining(libraries: dict, first: str, rounds: int, shapes: str | None) -> list:
     """Each library's mined loss, fwd+bwd of the mean, on bench.py's mining cases: median ms
     (interleaved, as bench.py times them) and peak extra memory."""
     import bench
@@ -154,6 +157,8 @@ def ab_mining(libraries: dict, first: str, rounds: int) -> list:
     print(f"{'mining':>10} {'shape':>10} {'dtype':>6} "
           + " ".join(f"{n[:9]:>9} {'MiB':>7}" for n in libraries) + f" {'new/' + first[:4]:>8}")
     for mining, batch, dim, dtype_name in bench.MINING_CASES:
+        if shapes and f"{batch}x{dim}" not in shapes.split(","):
+            continue
         torch.manual_seed(0)
         e = torch.randn(batch, dim, device="cuda").to(bench.DTYPES[dtype_name]).requires_grad_()
         labels = (torch.arange(batch, device="cuda") // 8)[torch.randperm(batch, device="cuda")]
