@@ -259,6 +259,7 @@ MINING_CASES = ([(m, b, d, "fp32") for m in ("batch_hard", "batch_all") for b, d
                 + [("batch_hard", b, d, "bf16") for b, d in MINING_SHAPES if b >= 16384])
 MINING_RESULTS = "results/h200_mining.json"
 PLAIN_STEP_MAX_BATCH = 1024   # the plain step is the small batches' yardstick
+README_MINING_SHAPES = [(64, 128), (256, 512), (1024, 512), (4096, 512), (16384, 512), (65536, 512)]
 LIBRARY_MAX_BATCH = 32768     # the libraries' B x B matrices: several GiB each beyond this
 
 
@@ -437,13 +438,16 @@ def print_mining_table(rows):
 
 
 def readme_mining_table(rows):
-    """README's mining table: each case's step (host in the window) against the plain fused
-    step and the libraries, and the matmul floor of its GPU time."""
+    """README's mining table (float32, README_MINING_SHAPES): each case's step (host in the
+    window) against the plain fused step and the libraries, and the matmul floor of its GPU
+    time."""
     lines = ["| mining | B x D | dtype | fused_triplet step | GPU | launches | plain fused step | "
              "sentence-transformers | pytorch-metric-learning | bf16 matmul |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for mode, shape, dtype in dict.fromkeys((r["mode"], tuple(r["shape"]), r["dtype"])
-                                            for r in rows if r["contender"] == "fused_triplet"):
+                                            for r in rows if r["contender"] == "fused_triplet"
+                                            and tuple(r["shape"]) in README_MINING_SHAPES
+                                            and r["dtype"] == "float32"):
         case = {r["contender"]: r for r in rows if (r["mode"], tuple(r["shape"])) == (mode, shape)
                 and (r["dtype"] == dtype or r["contender"] == "B x B x D matmul")}
         floor = [r for r in rows if (r["mode"], tuple(r["shape"])) == (mode, shape)
