@@ -758,22 +758,36 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
 def _batch_all_rows(x: Tensor, labels: Tensor, start: int, stop: int, margin: float, p: float,
                     eps: float) -> tuple:
     """Anchors start:stop: each one's sum of relu(margin + d_ap - d_an) over its triplets, and
-    how many are > 0."""
+    how many are > 0. The negatives closer than margin + d_ap are a prefix of the anchor's
+    negatives sorted by distance, so each positive adds a count and a prefix sum: O(B log B) an
+    anchor, not B^2. Rows with a distance that is not finite take every triplet one by one (inf
+    and NaN propagate as relu's do)."""
     d = _distances_from(x, start, stop, p, eps)
     is_positive, is_negative = _positive_mask(labels, start, stop)
-    triplets = is_positive[:, :, None] & is_negative[:, None, :]
-    losses = torch.where(triplets, (margin + d[:, :, None] - d[:, None, :]).relu(), 0.0)
-    return losses.sum((1, 2)), (losses > 0).sum((1, 2))
+    negatives = torch.where(is_negative, d, math.inf).sort(1).values  # the others last
+    thresholds = margin + d
+    counts = torch.searchsorted(negatives.detach(), thresholds.detach())  # negatives < threshold
+    counts = torch.where(is_positive, counts, 0)
+    prefix = torch.cat([negatives.new_zeros(d.shape[0], 1), negatives.cumsum(1)], 1)
+    sums = torch.where(is_positive, counts * thresholds - prefix.gather(1, counts), 0.0)
+    losses, active = sums.sum(1), counts.sum(1)
+    odd = ~torch.where(is_positive | is_negative, d, 0.0).isfinite().all(1)
+    if odd.any():
+        triplets = is_positive[odd, :, None] & is_negative[odd, None, :]
+        each = torch.where(triplets, (margin + d[odd, :, None] - d[odd, None, :]).relu(), 0.0)
+        losses = losses.index_put((odd.nonzero()[:, 0],), each.sum((1, 2)))
+        active = active.index_put((odd.nonzero()[:, 0],), (each > 0).sum((1, 2)))
+    return losses, active
 
 
 def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps: float) -> tuple:
     """(loss, active) per anchor; each chunk is recomputed in the backward (checkpoint), so its
-    (rows, batch, batch) triplet tensor is never kept."""
+    (rows, batch, dim) differences are never kept."""
     from torch.utils.checkpoint import checkpoint
 
     parts = [checkpoint(_batch_all_rows, x, labels, start, stop, margin, p, eps,
                         use_reentrant=False)
-             for start, stop in _row_chunks(x.shape[0], x.shape[0] * max(x.shape))]
+             for start, stop in _row_chunks(x.shape[0], x.shape[0] * x.shape[1])]
     if not parts:
         return x.new_zeros(0), torch.zeros(0, dtype=torch.long, device=x.device)
     return torch.cat([loss for loss, _ in parts]), torch.cat([count for _, count in parts])

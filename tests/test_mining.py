@@ -94,6 +94,23 @@ def test_ties_choose_the_first_index():
     assert positive[0] == 1 and negative[0] == 3 and valid.all()
 
 
+def test_batch_all_reference_with_duplicates_inf_and_nan():
+    # sorted prefixes where every distance is finite, every triplet where one is not
+    x, labels = labelled_batch(14, 3, 3, seed=6)
+    x[1] = x[2]
+    x[5] = x[9]
+    x[4, 0] = float("inf")
+    x[7, 1] = float("nan")
+    for reduction in ("none", "sum"):
+        got = ft.mined_triplet_margin_loss(x, labels, "batch_all", margin=0.5, eps=0.0,
+                                           reduction=reduction)
+        want = brute_force(x, labels, "batch_all", 0.5, 2.0, 0.0, reduction)
+        torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-12)
+    finite = ft.mined_triplet_margin_loss(x[8:], labels[8:], "batch_all", margin=0.5)
+    torch.testing.assert_close(finite, brute_force(x[8:], labels[8:], "batch_all", 0.5, 2.0,
+                                                   1e-6, "mean"), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("mining", MININGS)
 def test_reference_chunks_give_the_same_result(mining, monkeypatch):
     x, labels = labelled_batch(20, 6, 4, seed=5)
@@ -200,11 +217,26 @@ def test_batch_all_matches_pytorch_metric_learning(seed):
 
 # ---- the kernels, on a GPU ---------------------------------------------------------------------
 
+def every_triplet(x, labels, margin, eps=1e-6):
+    """batch_all as users write it, every (i, j, k) of a B x B x B tensor: (per-anchor losses,
+    the count of those > 0)."""
+    d = ft._pairwise_distance(x[:, None, :], x[None, :, :], 2.0, eps)
+    same = labels[:, None] == labels[None, :]
+    positive = same & ~torch.eye(len(labels), dtype=torch.bool, device=x.device)
+    triplets = positive[:, :, None] & ~same[:, None, :]
+    losses = torch.where(triplets, (margin + d[:, :, None] - d[:, None, :]).relu(), 0.0)
+    return losses.sum((1, 2)), (losses > 0).sum()
+
+
 def reference_loss(x, labels, mining, margin, reduction):
-    """The torch reference on x's values as a leaf of x's dtype, (float32 for 2-byte x): the
-    loss and the leaf."""
+    """torch on x's values as a leaf of x's dtype, (float32 for 2-byte x): the loss and the leaf.
+    batch_hard: the library's reference; batch_all: every triplet one by one (the library's
+    reference adds sorted prefixes, whose float32 rounding is a looser yardstick)."""
     leaf = x.detach().clone().requires_grad_(True)
-    losses, counted = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6)
+    if mining == "batch_all":
+        losses, counted = every_triplet(leaf, labels, margin)
+    else:
+        losses, counted = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6)
     if reduction == "none":
         return losses, leaf
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
