@@ -647,9 +647,11 @@ def main(argv=None) -> int:
                                   LOOP_SHAPES if args.loops else DEFAULT_SHAPES)
     args.dtypes = args.dtypes or ("fp32,bf16" if args.sweep else "fp32")
     if not torch.cuda.is_available():
+        recorded = MINING_RESULTS if args.mining else LOOP_RESULTS if args.loops else (
+            f"{RESULTS} (plot: results/h200_sweep.png)")
         print(f"bench.py: no CUDA GPU visible, so nothing to time here. The recorded H200 numbers "
-              f"are in {RESULTS} (plot: results/h200_sweep.png; README's table: "
-              "python bench.py --readme-table).", file=sys.stderr)
+              f"are in {recorded}; README's tables: python bench.py --readme-table.",
+              file=sys.stderr)
         return 2
 
     props = torch.cuda.get_device_properties(0)

@@ -193,13 +193,15 @@ def _cpp_extension(verbose: bool):
     return cpp_extension
 
 
-def _target_archs() -> str:
-    """The architectures a build compiles for, as torch's extension builder picks them."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        archs = os.environ["TORCH_CUDA_ARCH_LIST"].replace(",", ";").replace(" ", ";").split(";")
+def _target_archs(environ=None) -> str:
+    """The architectures a build compiles for, as torch's extension builder picks them (in the
+    environment `environ`, default this process's)."""
+    listed = (os.environ if environ is None else environ).get("TORCH_CUDA_ARCH_LIST")
+    if listed:
+        archs = listed.replace(",", ";").replace(" ", ";").split(";")
         return ", ".join("sm_" + a.split("+")[0].replace(".", "") for a in archs if a)
     caps = sorted({torch.cuda.get_device_capability(d) for d in range(torch.cuda.device_count())})
-    return ", ".join(f"sm_{major}{minor}" for major, minor in caps)
+    return ", ".join(f"sm_{major}{minor}" for major, minor in caps) or "no GPU visible"
 
 
 def _build_problem(cpp_extension=None) -> str | None:
@@ -512,14 +514,15 @@ def _is_float_arg(value) -> bool:
         and value.dtype.kind in "biuf" and getattr(value, "ndim", 1) == 0
 
 
-def _check_options(margin, p, eps, swap) -> None:
-    """torch's TypeError for an option of the wrong type (margin's comparison came first)."""
+def _check_options(margin, p, eps, swap, function="triplet_margin_loss") -> None:
+    """torch's TypeError for an option of the wrong type (margin's comparison came first); the
+    mined function's options sit at the same positions."""
     for position, name, value in ((4, "margin", margin), (5, "p", p), (6, "eps", eps)):
         if not _is_float_arg(value):
-            raise TypeError(f"triplet_margin_loss(): argument '{name}' (position {position}) must "
+            raise TypeError(f"{function}(): argument '{name}' (position {position}) must "
                             f"be float, not {_type_name(value)}")
     if not isinstance(swap, bool):
-        raise TypeError("triplet_margin_loss(): argument 'swap' (position 7) must be bool, not "
+        raise TypeError(f"{function}(): argument 'swap' (position 7) must be bool, not "
                         f"{_type_name(swap)}")
 
 
@@ -648,6 +651,8 @@ class TripletMarginLoss(torch.nn.Module):
         self.reduction = reduction
 
     def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        """The loss of the triplets (anchor[i], positive[i], negative[i]): inputs of one shape
+        (..., D), or shapes that broadcast as torch's; see triplet_margin_loss."""
         return triplet_margin_loss(anchor, positive, negative, margin=self.margin, p=self.p,
                                    eps=self.eps, swap=self.swap, reduction=self.reduction)
 
@@ -664,6 +669,7 @@ class ModelNew(torch.nn.Module):
         self.margin = margin
 
     def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
+        """The mean triplet margin loss (p = 2, eps = 1e-6), as KernelBench's Model."""
         return triplet_margin_loss(anchor, positive, negative, margin=self.margin)
 
 
@@ -678,7 +684,7 @@ _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
 
 
-def _check_mining_inputs(embeddings, labels, mining, margin, reduction) -> None:
+def _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction) -> None:
     name = "mined_triplet_margin_loss"
     if not isinstance(embeddings, Tensor) or not isinstance(labels, Tensor):
         raise TypeError(f"{name}: embeddings and labels must be tensors, got "
@@ -687,7 +693,8 @@ def _check_mining_inputs(embeddings, labels, mining, margin, reduction) -> None:
         raise ValueError(f"{name}: mining must be 'batch_hard' or 'batch_all', got {mining!r}")
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"{reduction} is not a valid value for reduction")
-    if not _is_float_arg(margin) or not margin > 0:
+    _check_options(margin, p, eps, False, name)
+    if not margin > 0:
         raise ValueError(f"{name}: margin must be a number greater than 0, got {margin!r}")
     if embeddings.dim() != 2:
         raise ValueError(f"{name}: expected embeddings of shape (batch, dim), got shape "
@@ -804,7 +811,7 @@ def mined_triplet_margin_loss(embeddings: Tensor, labels: Tensor, mining: str = 
     ('mean' over them). batch_all: every (i, j, k), relu(margin + d(i, j) - d(i, k)); 'none' is
     each anchor's sum, 'mean' the sum over the triplets > 0 (0 when none). The loss is float32
     (float64 for float64 embeddings); gradients follow autograd of these formulas."""
-    _check_mining_inputs(embeddings, labels, mining, margin, reduction)
+    _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction)
     margin, p, eps = float(margin), float(p), float(eps)
     if _mining_takes(embeddings, p):
         return _ops().mined_triplet_loss(embeddings, labels.long(), _MININGS.index(mining), margin,
@@ -846,6 +853,8 @@ class MinedTripletMarginLoss(torch.nn.Module):
         self.reduction = reduction
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:
+        """The loss of the triplets mined in the batch: embeddings (B, D), integer labels (B,);
+        see mined_triplet_margin_loss."""
         return mined_triplet_margin_loss(embeddings, labels, mining=self.mining,
                                          margin=self.margin, p=self.p, eps=self.eps,
                                          reduction=self.reduction)
@@ -935,6 +944,10 @@ def _main(argv=None) -> int:
     if args.kernelbench and not args.export:
         parser.error("--kernelbench goes with --export PATH")
     if args.export:
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.export))):
+            print(f"fused_triplet: cannot write {args.export}: its folder does not exist",
+                  file=sys.stderr)
+            return 1
         print(export(args.export, kernelbench=args.kernelbench))
     if args.build:
         problem = _build_problem()

@@ -1,7 +1,6 @@
 """Train a small embedding model with fused_triplet's loss under DistributedDataParallel.
 
-    torchrun --nproc_per_node 2 examples/ddp_train.py                 # NCCL, one GPU per rank
-    torchrun --nproc_per_node 2 examples/ddp_train.py --backend gloo --device cpu
+    torchrun --nproc_per_node 2 examples/ddp_train.py   # NCCL, a GPU per rank; gloo on CPU without
 
 Every rank draws the same global batch of triplets and trains on its slice; DDP averages the
 gradients. With --check-grads, rank 0 also runs one single-process step of torch's own
@@ -39,14 +38,18 @@ def global_batch(step: int, size: int, in_dim: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="nccl")
-    parser.add_argument("--device", default="cuda")
+    has_gpu = torch.cuda.is_available()
+    parser.add_argument("--backend", default="nccl" if has_gpu else "gloo")
+    parser.add_argument("--device", default="cuda" if has_gpu else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--in-dim", type=int, default=128)
     parser.add_argument("--emb-dim", type=int, default=64)
     parser.add_argument("--check-grads", action="store_true")
     args = parser.parse_args()
+    if args.device == "cuda" and not has_gpu:
+        parser.error("--device cuda: no CUDA GPU is visible (leave --device and --backend out to "
+                     "train on the CPU with gloo)")
 
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

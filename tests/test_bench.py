@@ -18,6 +18,15 @@ def test_bench_without_gpu_points_at_the_results():
         assert "Traceback" not in proc.stderr
 
 
+def test_bench_without_gpu_names_each_modes_results():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    for args, recorded in ((["--mining"], "results/h200_mining.json"),
+                           (["--loops"], "results/h200_loops.json")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and recorded in proc.stderr, proc.stderr
+
+
 def test_readme_table_is_the_recorded_one():
     """README's speed tables are generated from results/ (python bench.py --readme-table)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--readme-table"],

@@ -35,7 +35,7 @@ def build_log(build_env, tmp_path_factory, pytestconfig):
     registers the fused_triplet op namespace, which a process can do only once. Their output
     goes to files: a full pipe would block the builder the other one waits for."""
     announce(pytestconfig, f"tests/test_build.py: compiling the CUDA kernels with {TOOLKIT} for "
-             f"{ft._target_archs()} ({ft.BUILD_TIME} per architecture on 2 cores)...")
+             f"{ft._target_archs(build_env)} ({ft.BUILD_TIME} per architecture on 2 cores)...")
     logs_dir = tmp_path_factory.mktemp("logs")
     builders = []
     for k in range(2):
@@ -229,6 +229,20 @@ def test_build_command_without_a_gpu_or_arch_list_says_one_line(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "TORCH_CUDA_ARCH_LIST" in proc.stderr
+
+
+def test_export_into_a_missing_folder_says_one_line(tmp_path):
+    target = tmp_path / "no_such_folder" / "fused_triplet_single.py"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "fused_triplet.py"), "--export",
+                           str(target)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and str(target) in proc.stderr
+
+
+def test_build_announcement_names_the_architectures():
+    assert ft._target_archs({"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}) == "sm_80, sm_90"
+    if not torch.cuda.is_available():
+        assert ft._target_archs({}) == "no GPU visible"
 
 
 def test_version():

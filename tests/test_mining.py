@@ -168,6 +168,9 @@ def test_module():
     (lambda x, y: ft.mined_triplet_margin_loss(x, y, "semi_hard"), ValueError, "mining must"),
     (lambda x, y: ft.mined_triplet_margin_loss(x, y, reduction="avg"), ValueError, "reduction"),
     (lambda x, y: ft.mined_triplet_margin_loss(x, y, margin=0.0), ValueError, "margin"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y, p="1"), TypeError,
+     r"mined_triplet_margin_loss\(\): argument 'p' \(position 5\) must be float, not str"),
+    (lambda x, y: ft.mined_triplet_margin_loss(x, y, eps=None), TypeError, "'eps'"),
     (lambda x, y: ft.mined_triplet_margin_loss(x.long(), y), TypeError, "floating-point"),
     (lambda x, y: ft.mined_triplet_margin_loss(x, y.to("meta")), RuntimeError, "one device"),
 ])

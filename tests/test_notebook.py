@@ -20,5 +20,6 @@ def test_quickstart_notebook_runs():
     outputs = "".join(out.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                       for out in cell.get("outputs", []))
     assert "CPU: loss and gradients match torch's" in outputs
+    assert "batch_hard: loss" in outputs and "batch_all: loss" in outputs
     assert "forward + backward at 4096 x 512" in outputs or "No GPU visible: nothing to time" \
         in outputs
