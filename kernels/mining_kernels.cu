@@ -104,8 +104,7 @@ __device__ float exact_sq_distance(const float* a, const float* b, int64_t dim, 
     const float v = (a[k] - b[k]) + eps;
     acc = fmaf(v, v, acc);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  return acc;
+  return warp_all_reduce(acc, Plus());
 }
 
 // A chosen candidate: NaN beats numbers (torch's max and min propagate NaN), then the larger
@@ -125,16 +124,8 @@ __device__ bool beats(const Pick& x, const Pick& y) {
   return x.index < y.index;
 }
 
-__device__ __forceinline__ float warp_max(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1)
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
-}
-
-__device__ __forceinline__ float warp_min(float x) {
-  for (int offset = 16; offset > 0; offset >>= 1)
-    x = fminf(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  return x;
+__device__ __forceinline__ Pick shfl_xor(Pick pick, int offset) {
+  return {fused_triplet::shfl_xor(pick.value, offset), fused_triplet::shfl_xor(pick.index, offset)};
 }
 
 // batch_hard's Gram inputs, a warp per sorted position s: the embedding order[s] less the batch
@@ -173,12 +164,10 @@ __global__ void __launch_bounds__(kRowThreads)
     rounded_sq = fmaf(w, w, rounded_sq);
     residual_sq = fmaf(r, r, residual_sq);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    sq += __shfl_xor_sync(0xffffffffu, sq, offset);
-    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    rounded_sq += __shfl_xor_sync(0xffffffffu, rounded_sq, offset);
-    residual_sq += __shfl_xor_sync(0xffffffffu, residual_sq, offset);
-  }
+  sq = warp_all_reduce(sq, Plus());
+  sum = warp_all_reduce(sum, Plus());
+  rounded_sq = warp_all_reduce(rounded_sq, Plus());
+  residual_sq = warp_all_reduce(residual_sq, Plus());
   if (lane != 0) return;
   const float eps = chunk.eps, n2 = fmaxf(sq, rounded_sq), w = plan.rounding_weight;
   const float rounding = w * n2 + residual_sq / w;
@@ -284,8 +273,8 @@ __global__ void __launch_bounds__(kRowThreads)
     next_top = fmaxf(next_top, fminf(top, upper));
     top = fmaxf(top, upper);
   }
-  floor = warp_max(floor);
-  ceiling = warp_min(ceiling);
+  floor = warp_all_reduce(floor, [](float a, float b) { return fmaxf(a, b); });
+  ceiling = warp_all_reduce(ceiling, [](float a, float b) { return fminf(a, b); });
   if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling;
   __syncthreads();
   for (int w = 0; w < kWarps; ++w) {
@@ -440,11 +429,9 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
 // butterfly's order does not matter).
 template <bool kLargest>
 __device__ Pick block_best(Pick pick, Pick* scratch) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const Pick other{__shfl_xor_sync(0xffffffffu, pick.value, offset),
-                     __shfl_xor_sync(0xffffffffu, pick.index, offset)};
-    if (beats<kLargest>(other, pick)) pick = other;
-  }
+  pick = warp_all_reduce(pick, [](Pick mine, Pick other) {
+    return beats<kLargest>(other, mine) ? other : mine;
+  });
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = pick;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -739,8 +726,7 @@ __global__ void __launch_bounds__(kRowThreads)
         for (int64_t c = lane; c < batch; c += 32) {
           hits += chunk.ids[c] != my_id && thresholds[j] - d[c] > 0.f;
         }
-        for (int offset = 16; offset > 0; offset >>= 1)
-          hits += __shfl_xor_sync(0xffffffffu, hits, offset);
+        hits = warp_all_reduce(hits, Plus());
         if (lane == 0) w[staged[j]] = float(hits);
       }
     }

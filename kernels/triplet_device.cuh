@@ -231,6 +231,25 @@ __device__ __forceinline__ RowSums<S> team_reduce(RowSums<S> s, int tpr, const N
   return s;
 }
 
+// A butterfly over the warp's 32 lanes in a fixed order, op(mine, other's) at each step: every
+// lane ends with the same bits. shfl_xor exchanges one value (a kernel file may add overloads for
+// its own types).
+template <typename S>
+__device__ __forceinline__ S shfl_xor(S x, int offset) {
+  return __shfl_xor_sync(0xffffffffu, x, offset);
+}
+
+template <typename S, typename Op>
+__device__ __forceinline__ S warp_all_reduce(S x, Op op) {
+  for (int offset = 16; offset > 0; offset /= 2) x = op(x, shfl_xor(x, offset));
+  return x;
+}
+
+struct Plus {
+  template <typename S>
+  __device__ __forceinline__ S operator()(S a, S b) const { return a + b; }
+};
+
 // Deterministic block-wide sum in a fixed order; the result is valid in thread 0.
 template <int kThreads, typename S>
 __device__ __forceinline__ S block_sum(S v, S* smem) {
