@@ -23,7 +23,7 @@ constexpr int kVecBytes = 16;       // one 128-bit load per thread per input
 // sum_t: the row sums, in double for every type: a distance in the thousands minus another leaves a
 // small loss, so the sums must be more accurate than torch's float ones for the loss to be too,
 // and 2-byte inputs under autocast owe a float32 loss as accurate as float32 inputs get. (A
-// 16-byte pack of 2-byte elements is summed in float first: see accumulate_packs.)
+// few 16-byte packs of 2-byte elements are summed in float first: see PackSums.)
 template <typename T> struct TypesOf { using acc = float; };
 template <> struct TypesOf<double> { using acc = double; };  // library-only
 template <typename T> using acc_t = typename TypesOf<T>::acc;
@@ -150,7 +150,7 @@ struct Norm {
       : mode(K == NormKind::kTwo ? NormMode::kTwo : K == NormKind::kOne ? NormMode::kOne : prm.mode),
         p(static_cast<A>(prm.p)), inv_p(static_cast<S>(prm.inv_p)) {}
 
-  // U: the sum's type, S (a row's sums) or A (a pack's partial sums, see accumulate_packs).
+  // U: the sum's type, S (a row's sums) or A (a few packs' partial sums, see PackSums).
   template <typename U = S>
   __device__ __forceinline__ U identity() const {
     return K == NormKind::kOther && mode == NormMode::kNegInf ? std::numeric_limits<U>::infinity()
