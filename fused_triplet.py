@@ -5,9 +5,10 @@ distances a backward needs); 'mean'/'sum' add one tiny deterministic reduction k
 backward kernel reads them once more and writes the gradients. Eager PyTorch instead
 materialises `x1 - x2 + eps` (B x D) for each distance.
 
-Layout of this file: kernel sources -> build -> op registration -> torch path -> argument
-handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-batch mining
-(mined_triplet_margin_loss, MinedTripletMarginLoss) -> export -> command line.
+Layout of this file: kernel sources -> build -> op registration (fake kernels) -> torch path ->
+argument handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-batch
+mining (mined_triplet_margin_loss, MinedTripletMarginLoss; one op per loss on CUDA, a chunked
+torch reference elsewhere) -> export -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
@@ -674,9 +675,9 @@ class ModelNew(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# In-batch mining: the triplets of a labelled batch, found inside it. The kernels (p = 2, 2-byte
-# and float32 embeddings on CUDA) mine one chunk of anchors at a time; everything else runs the
-# torch reference below, chunked too. Neither ever holds a batch x batch matrix.
+# In-batch mining: the triplets of a labelled batch, found inside it. On CUDA (p = 2, 2-byte and
+# float32 embeddings) each loss is the op mined_triplet_loss, its autograd in C++
+# (kernels/mining_ops.cpp); everything else runs the torch reference below, in chunks of anchors.
 # ---------------------------------------------------------------------------------------------
 
 _MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
