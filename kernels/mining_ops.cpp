@@ -80,10 +80,10 @@ struct MiningCall {
     return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
             embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin)};
   }
-  // fn(chunk) for each chunk of anchors.
-  void for_each_chunk(const MiningPlan& plan, double margin, double eps,
+  // fn(chunk) for each chunk of anchors, with these ids (the labels, or them sorted).
+  void for_each_chunk(const MiningPlan& plan, const at::Tensor& ids, double margin, double eps,
                       const std::function<void(const MiningChunk&)>& fn) const {
-    MiningChunk chunk = whole(labels, margin, eps);
+    MiningChunk chunk = whole(ids, margin, eps);
     for (chunk.first = 0; chunk.first < chunk.batch; chunk.first += plan.chunk_rows) {
       chunk.rows = std::min(plan.chunk_rows, chunk.batch - chunk.first);
       fn(chunk);
@@ -115,16 +115,14 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
                                   rounded.data_ptr(), bounds.data_ptr<float>(),
                                   classes.data_ptr<int64_t>(), call.stream));
   at::Tensor gram = at::empty({plan.chunk_rows, batch}, embeddings.options());
-  MiningChunk chunk = call.whole(sorted_labels, 0.0, eps);
-  for (chunk.first = 0; chunk.first < batch; chunk.first += plan.chunk_rows) {
-    chunk.rows = std::min(plan.chunk_rows, batch - chunk.first);
+  call.for_each_chunk(plan, sorted_labels, 0.0, eps, [&](const MiningChunk& chunk) {
     at::Tensor rows = gram.narrow(0, 0, chunk.rows);
     at::mm_out(rows, rounded.narrow(0, chunk.first, chunk.rows), rounded.t(), at::kFloat);
     C10_CUDA_CHECK(launch_hardest(chunk, plan, rows.data_ptr<float>(), bounds.data_ptr<float>(),
                                   classes.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
                                   picks.data_ptr<int64_t>(), picks.data_ptr<int64_t>() + batch,
                                   valid.data_ptr<bool>(), call.stream));
-  }
+  });
   return {picks, valid};
 }
 
@@ -168,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
     } else {
       const at::Tensor dists =
           keeps_weights ? state : at::empty({plan.chunk_rows, batch}, floats);
-      call.for_each_chunk(plan, margin, eps, [&](const MiningChunk& chunk) {
+      call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
         C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
         C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), {}, 
                                         per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
@@ -195,7 +193,7 @@ void batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan
   const at::Tensor x = embeddings - embeddings.mean(0, true);
   at::Tensor dists = at::empty({plan.chunk_rows, batch}, out.options());
   at::Tensor weights = at::empty({plan.chunk_rows, batch}, out.options());
-  call.for_each_chunk(plan, margin, eps, [&](const MiningChunk& chunk) {
+  call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
     C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
     C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr, nullptr,
                                     weights.data_ptr<float>(), call.stream));
@@ -237,11 +235,11 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     (whole_weights || state.numel() == 0)),
               "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
               shape_text(state));
-  TORCH_CHECK(!whole_weights || plan_mining(mining, batch, embeddings.size(1)).whole,
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  TORCH_CHECK(!whole_weights || plan.whole,
               "fused_triplet mining: saved weights for a batch the plan does not keep whole");
   const at::Tensor grad = grad_in.contiguous();
   const Upstream up{grad.data_ptr<float>(), count.data_ptr<float>(), reduction};
-  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
   const MiningChunk all = call.whole(call.labels, margin, eps);
   at::Tensor out;
   if (batch == 0) {
