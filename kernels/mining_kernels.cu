@@ -36,17 +36,9 @@ namespace fused_triplet {
 // allowance beyond the embeddings).
 constexpr int64_t kWholeHardRows = 2048;
 constexpr int64_t kWholeAllRows = 4096;
-// Up to 1024 rows batch_all's gradient from the whole weights is one tiled kernel (a step stays
-// at 5 launches); above, two cuBLAS products of the weights and the rows are faster.
-constexpr int64_t kTiledAllGradientRows = 1024;
-// Larger batches go in chunks of anchors: a chunk x batch float buffer (batch_all: two) of at
-// most 2^26 floats (256 MiB, the Gram products large enough for the tensor cores), within what
-// a call may hold beyond its inputs and their gradients: twice the embeddings' bytes + 64 MiB,
-// less the call's other scratch and 16 MiB for small temporaries. At least 256 anchors a chunk.
+// Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
+// products stay large enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
-constexpr int64_t kScratchAllowance = int64_t(64) << 20;
-constexpr int64_t kScratchReserve = int64_t(16) << 20;
-constexpr int64_t kMinChunkRows = 256;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
 constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
@@ -74,32 +66,14 @@ int64_t whole_batch_rows(Mining mining) {
   return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;
 }
 
-// The rows of a chunk: the buffers within the allowance left by the call's other scratch (a
-// float copy of 2-byte embeddings; batch_hard's bfloat16 rows, or batch_all's centred float rows
-// and, for 2-byte embeddings, its float gradient before the cast; per-row state).
-int64_t chunk_rows_within_allowance(Mining mining, int64_t batch, int64_t dim,
-                                    int64_t element_bytes) {
-  const int64_t elements = batch * dim, narrow = element_bytes < 4;
-  const int64_t allowance = 2 * elements * element_bytes + kScratchAllowance;
-  const int64_t scratch = (narrow ? 4 * elements : 0) + kScratchReserve + 256 * batch +
-                          (mining == Mining::kBatchHard ? 2 * elements
-                                                        : 4 * elements + (narrow ? 4 * elements : 0));
-  const int64_t buffers = mining == Mining::kBatchHard ? 1 : 2;
-  const int64_t floats = std::min(kChunkFloats, std::max<int64_t>(allowance - scratch, 0) /
-                                                    (int64_t(sizeof(float)) * buffers));
-  return std::clamp<int64_t>(floats / batch, std::min(kMinChunkRows, batch), batch);
-}
-
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int64_t element_bytes,
-                       bool allow_whole) {
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole) {
   MiningPlan plan;
   plan.whole = allow_whole && batch <= whole_batch_rows(mining);
   plan.gram_bound = float(dim + 16) * kGramPerElementBound;
   plan.rounding_weight = kGramRoundingWeight;
-  plan.chunk_rows = plan.whole || batch == 0
-                        ? std::max<int64_t>(batch, 1)
-                        : chunk_rows_within_allowance(mining, batch, dim, element_bytes);
-  plan.tiled_all_gradient = batch <= kTiledAllGradientRows;
+  plan.chunk_rows = plan.whole ? std::max<int64_t>(batch, 1)
+                               : std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1),
+                                                     1, std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
   // 16-byte groups only where every thread gets one: below, most warps would get no columns.
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;

@@ -21,13 +21,10 @@ struct MiningPlan {
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
   int tile;               // the tiled kernels' square tile of (row, column) pairs
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
-  bool tiled_all_gradient;     // batch_all's whole weights: all_gradient_kernel (else matmuls)
 };
 
-// element_bytes: the embeddings' (the scratch allowance is twice their bytes + 64 MiB);
 // allow_whole false: chunks at any batch (tests of the large batches' kernels).
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int64_t element_bytes,
-                       bool allow_whole = true);
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole = true);
 // The largest batch whose distances stay whole (the shape of batch_all's saved weights).
 int64_t whole_batch_rows(Mining mining);
 

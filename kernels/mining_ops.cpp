@@ -144,8 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   at::Tensor counted = at::empty({batch}, call.labels.options());
   at::Tensor count = at::empty({}, floats);
   at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
-  const MiningPlan plan =
-      plan_mining(mining, batch, embeddings.size(1), embeddings_in.element_size());
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
   const bool keeps_weights = mining == Mining::kBatchAll && for_backward && plan.whole;
   at::Tensor state = mining == Mining::kBatchHard
                          ? at::empty({4, batch}, floats.dtype(at::kDouble))
@@ -182,58 +181,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   return {loss, count, state};
 }
 
-// Adds to out (zero at the rows of the chunk when first == 0) the gradient through the weights
-// w [n, batch] of anchors [first, first + n) (d loss_i / d d(i, c) / d(i, c)) of the centred rows
-// x, with s the upstream gradient per anchor [n, 1] (undefined: 1, a scalar one multiplies the
-// total afterwards). With r and c the row and column sums of s w:
-//   out_m += r_m (x_m + eps) - (s w x)_m  for the chunk's anchors,
-//   out_m += c_m (x_m - eps) - ((s w)^T x_chunk)_m  for every row;
-// matrix products on the centred rows, so their error is the spread's, not the offset's.
-void add_all_gradient(at::Tensor& out, const at::Tensor& w, const at::Tensor& x,
-                      const at::Tensor& s, int64_t first, double eps) {
-  const int64_t n = w.size(0);
-  const at::Tensor rows = x.narrow(0, first, n);
-  at::Tensor own = out.narrow(0, first, n);
-  at::Tensor t = first == 0 ? own : at::empty_like(own);  // the first chunk writes in place
-  at::mm_out(t, w, x);
-  const at::Tensor r = w.sum(1, true);
-  t.neg_().addcmul_(r, rows).add_(r * eps);
-  if (s.defined()) t.mul_(s);
-  if (first != 0) own.add_(t);
-  const at::Tensor c = s.defined() ? at::mm(w.t(), s) : w.sum(0).unsqueeze(1);
-  out.addcmul_(c, x).sub_(c * eps);
-  out.addmm_(w.t(), s.defined() ? rows * s : rows, 1, -1);
-}
-
-// batch_all's gradient by matrix products: from the whole batch's saved weights, or a chunk of
-// anchors at a time (their distances and weights recomputed).
-at::Tensor batch_all_gradient_by_matmuls(const MiningCall& call, const MiningPlan& plan,
-                                         const at::Tensor& grad, const at::Tensor& count,
-                                         const at::Tensor& whole_weights, int64_t reduction,
-                                         double margin, double eps) {
+// batch_all's gradient without saved weights, a chunk of anchors at a time: with A[i, c] the
+// chunk's weights (upstream gradient applied) and x the centred rows,
+//   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps),
+// two matrix products per chunk.
+void batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan,
+                                  const Upstream& up, double margin, double eps, at::Tensor& out) {
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
+  // less the mean: distances are unchanged, and the products' error shrinks to the spread
   const at::Tensor x = embeddings - embeddings.mean(0, true);
-  const at::Tensor per_anchor = reduction == kNone ? grad.unsqueeze(1) : at::Tensor();
-  at::Tensor out = at::zeros(embeddings.sizes(), embeddings.options());
-  if (whole_weights.defined()) {
-    add_all_gradient(out, whole_weights, x, per_anchor, 0, eps);
-  } else {
-    at::Tensor dists = at::empty({plan.chunk_rows, batch}, out.options());
-    at::Tensor weights = at::empty({plan.chunk_rows, batch}, out.options());
-    call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
-      C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
-      C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), {}, nullptr,
-                                      nullptr, weights.data_ptr<float>(), call.stream));
-      add_all_gradient(out, weights.narrow(0, 0, chunk.rows), x,
-                       per_anchor.defined() ? per_anchor.narrow(0, chunk.first, chunk.rows)
-                                            : per_anchor,
-                       chunk.first, eps);
-    });
-  }
-  if (reduction == kMean) out.mul_(grad / count.clamp_min(1));
-  if (reduction == kSum) out.mul_(grad);
-  return out;
+  at::Tensor dists = at::empty({plan.chunk_rows, batch}, out.options());
+  at::Tensor weights = at::empty({plan.chunk_rows, batch}, out.options());
+  call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
+    C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
+    C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr, nullptr,
+                                    weights.data_ptr<float>(), call.stream));
+    const at::Tensor a = weights.narrow(0, 0, chunk.rows);
+    const at::Tensor rows = x.narrow(0, chunk.first, chunk.rows);
+    out.narrow(0, chunk.first, chunk.rows) += a.sum(1, true) * (rows + eps) - at::mm(a, x);
+    out += a.sum(0).unsqueeze(1) * (x - eps) - at::mm(a.t(), rows);
+  });
 }
 
 // The backward: the embeddings' gradient for the upstream gradient of the loss (float32, as the
@@ -267,8 +235,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     (whole_weights || state.numel() == 0)),
               "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
               shape_text(state));
-  const MiningPlan plan =
-      plan_mining(mining, batch, embeddings.size(1), embeddings_in.element_size());
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
   TORCH_CHECK(!whole_weights || plan.whole,
               "fused_triplet mining: saved weights for a batch the plan does not keep whole");
   const at::Tensor grad = grad_in.contiguous();
@@ -281,14 +248,13 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
                                         out.data_ptr<float>(), call.stream));
-  } else if (whole_weights && plan.tiled_all_gradient) {
+  } else if (whole_weights) {
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
   } else {
-    out = batch_all_gradient_by_matmuls(call, plan, grad, count,
-                                        whole_weights ? state : at::Tensor(), reduction, margin,
-                                        eps);
+    out = at::zeros(embeddings.sizes(), embeddings.options());
+    batch_all_gradient_by_chunks(call, plan, up, margin, eps, out);
   }
   return out.to(embeddings_in.scalar_type());
 }
@@ -372,8 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
     return {at::empty({0}, call.labels.options()), at::empty({0}, call.labels.options()),
             at::empty({0}, call.labels.options().dtype(at::kBool))};
   }
-  const MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1),
-                                        embeddings.element_size(), false);
+  const MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1), false);
   const auto [picks, valid] = mine_hardest(call, plan, eps);
   return {picks[0].clone(), picks[1].clone(), valid};  // outputs of their own, not views
 }

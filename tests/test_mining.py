@@ -337,13 +337,11 @@ def test_kernels_are_deterministic(mining):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500),
-                                          ("batch_all", 2000)])
-def test_large_batches(mining, batch):
+@pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500)])
+def test_large_batches_in_chunks(mining, batch):
     # Past the whole batch's sizes: batch_hard's Gram mining in chunks, batch_all's distances and
-    # gradient a chunk of anchors at a time; at 2000 rows batch_all's whole weights through matrix
-    # products. The reference on a few anchors: their losses, and the gradient of a weighted sum
-    # of them (the other anchors' weights 0); 'mean' as the sum's gradient over the count.
+    # gradient a chunk of anchors at a time. The reference on a few anchors: their losses, and the
+    # gradient of a weighted sum of them (the other anchors' weights 0).
     x, labels = labelled_batch(batch, 16, batch // 9, dtype=torch.float32, device="cuda", seed=13)
     e = x.clone().requires_grad_(True)
     losses = ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5, reduction="none")
@@ -366,10 +364,6 @@ def test_large_batches(mining, batch):
                                                    1e-6, 2)
     torch.testing.assert_close(total, losses.sum(), rtol=1e-5, atol=1e-5)
     assert count.item() > 0
-    mean, total = (ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5, reduction=r)
-                   for r in ("mean", "sum"))
-    (mean_grad,), (sum_grad,) = torch.autograd.grad(mean, e), torch.autograd.grad(total, e)
-    torch.testing.assert_close(mean_grad, sum_grad / count, rtol=1e-5, atol=1e-7)
 
 
 @requires_cuda
