@@ -32,7 +32,10 @@ from torch import Tensor
 
 __version__ = "0.1.0"
 __all__ = ["triplet_margin_loss", "TripletMarginLoss", "mined_triplet_margin_loss",
-           "MinedTripletMarginLoss", "ModelNew", "build", "export"]
+           "MinedTripletMarginLoss", "BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss",
+           "BatchAllTripletLoss", "BatchSemiHardTripletLoss",
+           "BatchHardTripletLossDistanceFunction", "pml_triplet_loss", "gather_across_ranks",
+           "ModelNew", "build", "export"]
 
 # ---------------------------------------------------------------------------------------------
 # Kernel sources: every file of kernels/, read at import: the .cu files (and the headers they
@@ -863,6 +866,355 @@ class MinedTripletMarginLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"mining={self.mining!r}, margin={self.margin}, p={self.p}, eps={self.eps}, "
                 f"reduction={self.reduction!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop-ins for the libraries' triplet losses: sentence-transformers' Batch*TripletLoss classes and
+# pytorch-metric-learning's TripletMarginLoss with its miners. Their formulas, values and
+# gradients (ties to the lowest index), without their batch^3 tensors: the (anchor, positive)
+# pairs go a chunk at a time against their anchors' rows of distances. Neither library is
+# imported; their objects are read by class name and attributes.
+# ---------------------------------------------------------------------------------------------
+
+_PAIR_CHUNK_ELEMENTS = 1 << 22  # (pairs x batch) per chunk of the pair losses: 16 MiB of float
+
+
+def _normalized(x: Tensor) -> Tensor:
+    """x / max(|x|, 1e-12) per row, as the libraries normalise embeddings."""
+    return x / x.norm(2, dim=1, keepdim=True).clamp_min(1e-12).expand_as(x)
+
+
+def _st_euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
+    """sentence-transformers' euclidean distances: from the Gram matrix (2-byte embeddings in
+    float32, autocast off), negative squares set to 0; a distance of exactly 0 has gradient 0."""
+    with torch.autocast(device_type=embeddings.device.type, enabled=False):
+        narrow = embeddings.dtype in (torch.float16, torch.bfloat16)
+        x = embeddings.float() if narrow else embeddings
+        gram = x @ x.t()
+    norms = gram.diagonal()
+    squares = norms.unsqueeze(0) - 2.0 * gram + norms.unsqueeze(1)
+    squares = torch.where(squares < 0, 0.0, squares)
+    if squared:
+        return squares
+    zero = squares == 0
+    return torch.where(zero, 0.0, (squares + zero * 1e-16).sqrt())
+
+
+def _st_cosine_distance(embeddings: Tensor) -> Tensor:
+    """sentence-transformers' cosine distances: 1 - cos, clamped at 0, the diagonal 0."""
+    x = _normalized(embeddings)
+    distances = (1 - x @ x.t()).clamp_min(0.0)
+    return distances.masked_fill(torch.eye(len(x), dtype=torch.bool, device=x.device), 0.0)
+
+
+class BatchHardTripletLossDistanceFunction:
+    """sentence-transformers' distance functions for the Batch*TripletLoss drop-ins (its own are
+    recognised by name)."""
+    cosine_distance = staticmethod(_st_cosine_distance)
+    euclidean_distance = staticmethod(_st_euclidean_distance)
+    eucledian_distance = euclidean_distance
+
+
+def _st_distance_of(metric, owner: str):
+    name = getattr(metric, "__name__", "")
+    if "BatchHardTripletLossDistanceFunction" in getattr(metric, "__qualname__", "") or \
+            metric in (_st_cosine_distance, _st_euclidean_distance):
+        if name in ("euclidean_distance", "eucledian_distance", "_st_euclidean_distance"):
+            return _st_euclidean_distance
+        if name in ("cosine_distance", "_st_cosine_distance"):
+            return _st_cosine_distance
+    raise ValueError(f"{owner}: distance_metric must be BatchHardTripletLossDistanceFunction's "
+                     f"euclidean_distance or cosine_distance (sentence-transformers' or this "
+                     f"module's), got {metric!r}")
+
+
+def _same_labels(labels: Tensor, ref_labels: Tensor, exclude_self: bool) -> tuple:
+    """(positives, negatives) as (batch, refs) masks; a row is not its own positive when the
+    references are the batch itself."""
+    same = labels[:, None] == ref_labels[None, :]
+    if exclude_self:
+        positives = same & ~torch.eye(len(labels), dtype=torch.bool, device=labels.device)
+    else:
+        positives = same
+    return positives, ~same
+
+
+def _pair_chunks(positives: Tensor):
+    """The (anchor, positive) index pairs of the mask, in chunks whose rows of the distance
+    matrix stay within _PAIR_CHUNK_ELEMENTS."""
+    anchors, refs = positives.nonzero(as_tuple=True)
+    step = max(1, _PAIR_CHUNK_ELEMENTS // max(positives.shape[1], 1))
+    return [(anchors[s:s + step], refs[s:s + step]) for s in range(0, len(anchors), step)]
+
+
+def _softplus(x: Tensor) -> Tensor:
+    """torch's softplus (beta 1, threshold 20), exp kept finite where it is not taken."""
+    return torch.where(x > 20, x, x.clamp_max(20).exp().log1p())
+
+
+def _hinge(x: Tensor, smooth: bool) -> Tensor:
+    return _softplus(x) if smooth else x.relu()
+
+
+class _SentenceTransformersTripletLoss(torch.nn.Module):
+    """What the four sentence-transformers drop-ins share: the model, the distance, the calls."""
+
+    def __init__(self, model, distance_metric, margin) -> None:
+        super().__init__()
+        self.sentence_embedder = model
+        self.distance_metric = distance_metric
+        self.triplet_margin = margin
+        self._distance = _st_distance_of(distance_metric, type(self).__name__)
+
+    def forward(self, sentence_features, labels: Tensor) -> Tensor:
+        """The loss of the model's sentence embeddings of sentence_features[0] (a dict of model
+        inputs) with these labels, as sentence-transformers' class computes it."""
+        embedding = self.sentence_embedder(sentence_features[0])["sentence_embedding"]
+        return self.compute_loss_from_embeddings([embedding], labels)
+
+    def compute_loss_from_embeddings(self, embeddings: list, labels: Tensor) -> Tensor:
+        """The loss of embeddings[0] (batch, dim) with labels (batch,) of any dtype."""
+        x = embeddings[0]
+        if labels.numel() != x.shape[0]:
+            raise ValueError(f"{type(self).__name__} expects {x.shape[0]} labels (one per "
+                             f"example), but got {labels.numel()} labels with shape "
+                             f"{tuple(labels.shape)}.")
+        return self._loss(self._distance(x), labels.reshape(-1))
+
+
+def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
+    """sentence-transformers' hardest pair per anchor: the largest positive distance (0 without
+    positives) and the smallest negative one, each other row counting as the row's largest
+    distance more (so an anchor without negatives gets about its largest distance)."""
+    positives, negatives = _same_labels(labels, labels, exclude_self=True)
+    hardest_positive = (positives * d).max(1).values
+    largest = d.max(1, keepdim=True).values
+    hardest_negative = (d + largest * (~negatives)).min(1).values
+    return hardest_positive, hardest_negative
+
+
+class BatchHardTripletLoss(_SentenceTransformersTripletLoss):
+    """sentence-transformers' BatchHardTripletLoss: the mean over every anchor of
+    max(hardest positive - hardest negative + margin, 0)."""
+
+    def __init__(self, model=None, distance_metric=_st_euclidean_distance,
+                 margin: float = 5) -> None:
+        super().__init__(model, distance_metric, margin)
+
+    def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
+        positive, negative = _st_hardest(d, labels)
+        losses = positive - negative + self.triplet_margin
+        return torch.where(losses < 0, 0.0, losses).mean()
+
+
+class BatchHardSoftMarginTripletLoss(_SentenceTransformersTripletLoss):
+    """sentence-transformers' BatchHardSoftMarginTripletLoss: the mean of
+    softplus(hardest positive - hardest negative) over every anchor."""
+
+    def __init__(self, model=None, distance_metric=_st_euclidean_distance) -> None:
+        super().__init__(model, distance_metric, None)
+
+    def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
+        positive, negative = _st_hardest(d, labels)
+        return _softplus(positive - negative).mean()
+
+
+class BatchAllTripletLoss(_SentenceTransformersTripletLoss):
+    """sentence-transformers' BatchAllTripletLoss: max(d_ap - d_an + margin, 0) over every
+    (anchor, positive, negative), summed, over the number of them above 1e-16."""
+
+    def __init__(self, model=None, distance_metric=_st_euclidean_distance,
+                 margin: float = 5) -> None:
+        super().__init__(model, distance_metric, margin)
+
+    def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
+        positives, negatives = _same_labels(labels, labels, exclude_self=True)
+        total, count = d.new_zeros(()), 0
+        for anchors, refs in _pair_chunks(positives):
+            losses = negatives[anchors] * (d[anchors, refs].unsqueeze(1) - d[anchors] +
+                                           self.triplet_margin)
+            losses = torch.where(losses < 0, 0.0, losses)
+            total = total + losses.sum()
+            count = count + (losses > 1e-16).sum()
+        return total / (count + 1e-16)
+
+
+class BatchSemiHardTripletLoss(_SentenceTransformersTripletLoss):
+    """sentence-transformers' BatchSemiHardTripletLoss (FaceNet's rule): for each (anchor,
+    positive) the nearest negative farther than the positive, else the farthest negative;
+    max(d_ap - d_an + margin, 0) summed over the pairs, over their number."""
+
+    def __init__(self, model=None, distance_metric=_st_euclidean_distance,
+                 margin: float = 5) -> None:
+        super().__init__(model, distance_metric, margin)
+        self.margin = margin
+
+    def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
+        positives, negatives = _same_labels(labels, labels, exclude_self=True)
+        smallest = d.min(1, keepdim=True).values
+        # the farthest negative as the library finds it: shifted by the row's smallest distance
+        farthest = ((d - smallest) * negatives).max(1, keepdim=True).values + smallest
+        total = d.new_zeros(())
+        for anchors, refs in _pair_chunks(positives):
+            rows, positive = d[anchors], d[anchors, refs].unsqueeze(1)
+            beyond = torch.where(negatives[anchors] & (rows > positive), rows, math.inf)
+            nearest = beyond.min(1, keepdim=True).values
+            negative = torch.where(nearest.isfinite(), nearest, farthest[anchors])
+            losses = (positive - negative) + self.margin
+            total = total + torch.maximum(losses, torch.zeros_like(losses)).sum()
+        return total / positives.sum().clamp(min=1e-16)
+
+
+# pytorch-metric-learning: TripletMarginLoss's settings this module computes, and its miners'.
+_PML_BANDS = ("all", "hard", "semihard", "easy")
+
+
+def _pml_distance(distance, what: str) -> tuple:
+    """(normalises, is a similarity) of a pytorch-metric-learning distance object."""
+    kind = type(distance).__name__
+    if kind == "LpDistance" and distance.p == 2 and distance.power == 1:
+        return bool(distance.normalize_embeddings), False
+    if kind == "CosineSimilarity" and distance.power == 1:
+        return True, True
+    raise ValueError(f"pml_triplet_loss: {what} must be LpDistance(p=2, power=1) or "
+                     f"CosineSimilarity(), got {kind} with p={getattr(distance, 'p', None)}, "
+                     f"power={getattr(distance, 'power', None)}")
+
+
+def _pml_settings(loss_func, miner) -> dict:
+    """The loss's and the miner's settings, or a ValueError naming the one not covered."""
+    if type(loss_func).__name__ != "TripletMarginLoss":
+        raise ValueError(f"pml_triplet_loss: loss_func must be pytorch-metric-learning's "
+                         f"TripletMarginLoss, got {type(loss_func).__name__}")
+    if loss_func.swap:
+        raise ValueError("pml_triplet_loss: TripletMarginLoss(swap=True) is not covered")
+    if loss_func.triplets_per_anchor != "all":
+        raise ValueError(f"pml_triplet_loss: TripletMarginLoss(triplets_per_anchor="
+                         f"{loss_func.triplets_per_anchor!r}) is not covered, only 'all'")
+    reducer = type(loss_func.reducer).__name__
+    if reducer != "AvgNonZeroReducer":
+        raise ValueError(f"pml_triplet_loss: the reducer must be AvgNonZeroReducer, got {reducer}")
+    if getattr(loss_func, "embedding_regularizer", None) is not None:
+        raise ValueError("pml_triplet_loss: an embedding_regularizer is not covered")
+    normalises, similarity = _pml_distance(loss_func.distance, "loss_func.distance")
+    settings = {"margin": float(loss_func.margin), "smooth": bool(loss_func.smooth_loss),
+                "normalises": normalises, "similarity": similarity, "band": None,
+                "band_margin": 0.0, "hardest": False}
+    if miner is None:
+        return settings
+    kind = type(miner).__name__
+    if kind not in ("BatchHardMiner", "TripletMarginMiner"):
+        raise ValueError(f"pml_triplet_loss: miner must be None, BatchHardMiner or "
+                         f"TripletMarginMiner, got {kind}")
+    if _pml_distance(miner.distance, "miner.distance") != (normalises, similarity):
+        raise ValueError("pml_triplet_loss: miner.distance must be the loss's distance")
+    if kind == "BatchHardMiner":
+        settings["hardest"] = True
+    elif miner.type_of_triplets not in _PML_BANDS:
+        raise ValueError(f"pml_triplet_loss: TripletMarginMiner(type_of_triplets="
+                         f"{miner.type_of_triplets!r}) is not one of {_PML_BANDS}")
+    else:
+        settings["band"], settings["band_margin"] = miner.type_of_triplets, float(miner.margin)
+    return settings
+
+
+def _pml_values(x: Tensor, refs: Tensor, normalises: bool, similarity: bool) -> Tensor:
+    """The library's distance matrix as distances: larger is farther (a similarity negated)."""
+    if normalises:
+        x, refs = _normalized(x), (_normalized(refs) if refs is not x else None)
+        refs = x if refs is None else refs
+    if similarity:
+        return -(x @ refs.t())
+    if x.dtype == torch.float16:  # the library's float16 route: torch's pairwise_distance
+        return torch.stack([_pairwise_distance(row.expand_as(refs), refs, 2.0, 1e-6)
+                            for row in x])
+    return torch.cdist(x, refs, p=2)
+
+
+def _in_band(gap: Tensor, band: str, band_margin: float) -> Tensor:
+    """TripletMarginMiner's choice on gap = d_an - d_ap (s_ap - s_an for a similarity)."""
+    if band == "easy":
+        return gap > band_margin
+    keep = gap <= band_margin
+    if band == "hard":
+        return keep & (gap <= 0)
+    return keep & (gap > 0) if band == "semihard" else keep
+
+
+def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
+                     ref_emb: Tensor | None = None, ref_labels: Tensor | None = None) -> Tensor:
+    """pytorch-metric-learning's `loss_func(embeddings, labels, miner(embeddings, labels, ref_emb,
+    ref_labels), ref_emb, ref_labels)` (its value and gradient) for its TripletMarginLoss
+    (AvgNonZeroReducer, smooth_loss or not) with miner None (every triplet), BatchHardMiner or
+    TripletMarginMiner, distance LpDistance(p=2, power=1) or CosineSimilarity, read off the
+    objects; a setting it does not cover raises ValueError naming it. ref_emb / ref_labels: the
+    positives and negatives come from them (no row excluded as its own positive)."""
+    settings = _pml_settings(loss_func, miner)
+    if (ref_emb is None) != (ref_labels is None):
+        raise ValueError("pml_triplet_loss: ref_emb and ref_labels go together (the library "
+                         "would reuse the batch's labels for ref_emb)")
+    refs, ref_labels = (embeddings, labels) if ref_emb is None else (ref_emb, ref_labels)
+    values = _pml_values(embeddings, refs, settings["normalises"], settings["similarity"])
+    positives, negatives = _same_labels(labels.reshape(-1), ref_labels.reshape(-1),
+                                        exclude_self=ref_emb is None)
+    margin, smooth = settings["margin"], settings["smooth"]
+    total, count = values.new_zeros(()), 0
+    if settings["hardest"]:
+        with torch.no_grad():
+            valid = positives.any(1) & negatives.any(1)
+            positive = _first_extreme(values, positives, largest=True)
+            negative = _first_extreme(values, negatives, largest=False)
+        rows = valid.nonzero()[:, 0]
+        chunks = [(rows, positive[rows], negative[rows])]
+    else:
+        chunks = [(anchors, refs_, None) for anchors, refs_ in _pair_chunks(positives)]
+    for anchors, chosen, negative in chunks:
+        anchor_positive = values[anchors, chosen].unsqueeze(1)
+        if negative is None:  # every negative of the pair
+            anchor_negative, keep = values[anchors], negatives[anchors]
+        else:
+            anchor_negative = values[anchors, negative].unsqueeze(1)
+            keep = torch.ones_like(anchor_negative, dtype=torch.bool)
+        if settings["band"] is not None:
+            keep = keep & _in_band(anchor_negative - anchor_positive, settings["band"],
+                                   settings["band_margin"])
+        losses = _hinge((anchor_positive - anchor_negative) + margin, smooth)
+        keep = keep & (losses > 0)  # AvgNonZeroReducer: the mean of the losses above 0
+        total = total + torch.where(keep, losses, 0.0).sum()
+        count = count + keep.sum()
+    count = torch.as_tensor(count, device=values.device)
+    return torch.where(count > 0, total / count.clamp_min(1), (embeddings * 0).sum())
+
+
+class _GatherFromRanks(torch.autograd.Function):
+    """Every rank's rows in rank order; the backward keeps this rank's slice of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: list, group):
+        ctx.rank, ctx.sizes = torch.distributed.get_rank(group), sizes
+        padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
+        padded[:len(x)] = x
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        start = sum(ctx.sizes[:ctx.rank])
+        return grad[start:start + ctx.sizes[ctx.rank]], None, None
+
+
+def gather_across_ranks(embeddings: Tensor, labels: Tensor, group=None) -> tuple:
+    """(embeddings, labels) of every rank of torch.distributed, concatenated in rank order (ranks
+    may hold different batch sizes). The gradient of the gathered embeddings flows back to this
+    rank's rows, so a loss of the global batch computed on every rank gives each rank the
+    gradient of its rows in the single-process loss of the concatenation."""
+    sizes = torch.tensor([len(embeddings)], device=embeddings.device)
+    every = [torch.empty_like(sizes) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(every, sizes, group=group)
+    sizes = [int(size) for size in every]
+    gathered_labels = _GatherFromRanks.apply(labels, sizes, group)
+    return _GatherFromRanks.apply(embeddings, sizes, group), gathered_labels
 
 
 # ---------------------------------------------------------------------------------------------
