@@ -299,6 +299,73 @@ def peak_extra(fn, *args):
     return out, torch.cuda.max_memory_allocated() - before
 
 
+# The drop-ins against the classes they replace: (library, variant, batch, dim), fp32.
+DROPIN_CASES = ([("sentence-transformers", v, 1024, 512) for v in (
+                    "BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss", "BatchAllTripletLoss",
+                    "BatchSemiHardTripletLoss")]
+                + [("pytorch-metric-learning", v, b, 512) for v, b in (
+                    ("BatchHardMiner", 1024), ("semihard", 1024), ("semihard", 4096),
+                    (None, 1024), (None, 4096))])
+DROPIN_RESULTS = "results/h200_dropins.json"
+
+
+def dropin_steps(library, variant):
+    """{name: loss(embeddings, labels)} for ours and the library's, or a line why not."""
+    try:
+        if library == "sentence-transformers":
+            from sentence_transformers.sentence_transformer import losses as st
+            theirs, ours = getattr(st, variant)(None), getattr(fused_triplet, variant)(None)
+            return {"fused_triplet": lambda e, y: ours.compute_loss_from_embeddings([e], y),
+                    library: lambda e, y: theirs.compute_loss_from_embeddings([e], y)}
+        from pytorch_metric_learning import distances, losses, miners
+    except ImportError as error:
+        return f"{library} is not installed ({error})"
+    loss = losses.TripletMarginLoss(margin=0.2, distance=distances.CosineSimilarity())
+    miner = (None if variant is None else miners.BatchHardMiner() if variant == "BatchHardMiner"
+             else miners.TripletMarginMiner(margin=0.2, type_of_triplets=variant,
+                                            distance=distances.CosineSimilarity()))
+    return {"fused_triplet": lambda e, y: fused_triplet.pml_triplet_loss(loss, miner, e, y),
+            library: lambda e, y: loss(e, y, None if miner is None else miner(e, y))}
+
+
+def bench_dropin(library, variant, batch, dim, rounds, warmup):
+    """One drop-in case: each contender's synced fwd+bwd step and peak extra memory."""
+    torch.manual_seed(0)
+    e = torch.randn(batch, dim, device="cuda").requires_grad_()
+    labels = (torch.arange(batch, device="cuda") // 8)[torch.randperm(batch, device="cuda")]
+    losses = dropin_steps(library, variant)
+    base = {"library": library, "variant": str(variant), "shape": [batch, dim]}
+    if isinstance(losses, str):
+        return [dict(base, contender=library, skipped=losses)]
+    steps, rows = {}, []
+    for name, loss in losses.items():
+        def step(x, y, loss=loss):
+            x.grad = None
+            out = loss(x, y)
+            out.backward()
+            return out
+        row = dict(base, contender=name)
+        try:
+            step(e, labels)
+            e.grad = None
+            out, extra = peak_extra(step, e, labels)
+            row.update(loss=out.item(), extra_mib=(extra - e.numel() * 4) / 2**20)
+            steps[name] = step
+        except torch.OutOfMemoryError:
+            row["failed"] = "out of memory"
+            torch.cuda.empty_cache()
+        rows.append(row)
+    times = time_synced(steps, (e, labels), rounds, warmup)
+    for row in rows:
+        if row["contender"] in times:
+            row["step_ms"] = statistics.median(times[row["contender"]])
+    ours = rows[0].get("step_ms")
+    for row in rows:
+        if ours and "step_ms" in row:
+            row["fused_speedup"] = row["step_ms"] / ours
+    return rows
+
+
 def launches_and_syncs(fn, args):
     """(kernels, copies and fills launched, host synchronisations and device-to-host copies) of
     one call, from the profiler, less what it counts around an empty call (its own)."""
@@ -615,6 +682,9 @@ def main(argv=None) -> int:
                         help="time mined_triplet_margin_loss (fwd+bwd) against the formulations "
                         "users write today: " + ", ".join(f"{m} {b}x{d} {t}"
                                                          for m, b, d, t in MINING_CASES))
+    parser.add_argument("--dropins", action="store_true",
+                        help="time the drop-ins (fwd+bwd) against the library classes they "
+                        "replace: " + ", ".join(f"{v} {b}x{d}" for _, v, b, d in DROPIN_CASES))
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",
@@ -649,7 +719,8 @@ def main(argv=None) -> int:
                                   LOOP_SHAPES if args.loops else DEFAULT_SHAPES)
     args.dtypes = args.dtypes or ("fp32,bf16" if args.sweep else "fp32")
     if not torch.cuda.is_available():
-        recorded = MINING_RESULTS if args.mining else LOOP_RESULTS if args.loops else (
+        recorded = MINING_RESULTS if args.mining else DROPIN_RESULTS if args.dropins else \
+            LOOP_RESULTS if args.loops else (
             f"{RESULTS} (plot: results/h200_sweep.png)")
         print(f"bench.py: no CUDA GPU visible, so nothing to time here. The recorded H200 numbers "
               f"are in {recorded}; README's tables: python bench.py --readme-table.",
@@ -671,6 +742,21 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
             print_mining_table(case_rows)
         print_mining_table(rows)
+        write_json(args.json, props, rows)
+        return 0
+    if args.dropins:
+        rows = []
+        for case in DROPIN_CASES:
+            case_rows = bench_dropin(*case, rounds=args.rounds if case[2] <= 1024 else 5,
+                                     warmup=args.warmup if case[2] <= 1024 else 1)
+            rows += case_rows
+            torch.cuda.empty_cache()
+            for row in case_rows:
+                print(f"{row['variant']:>30} {'x'.join(map(str, row['shape'])):>9} "
+                      f"{row['contender']:>24} {row.get('step_ms', float('nan')):10.3f} ms "
+                      f"{row.get('extra_mib', float('nan')):9.1f} MiB "
+                      f"{row.get('fused_speedup', float('nan')):7.1f}x "
+                      f"{row.get('skipped', row.get('failed', ''))}", flush=True)
         write_json(args.json, props, rows)
         return 0
     if args.loops:

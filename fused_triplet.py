@@ -1029,7 +1029,7 @@ class BatchAllTripletLoss(_SentenceTransformersTripletLoss):
 
     def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
         positives, negatives = _same_labels(labels, labels, exclude_self=True)
-        total, count = d.new_zeros(()), 0
+        total, count = d[:0].sum(), 0  # a 0 in the graph
         for anchors, refs in _pair_chunks(positives):
             losses = negatives[anchors] * (d[anchors, refs].unsqueeze(1) - d[anchors] +
                                            self.triplet_margin)
@@ -1054,7 +1054,7 @@ class BatchSemiHardTripletLoss(_SentenceTransformersTripletLoss):
         smallest = d.min(1, keepdim=True).values
         # the farthest negative as the library finds it: shifted by the row's smallest distance
         farthest = ((d - smallest) * negatives).max(1, keepdim=True).values + smallest
-        total = d.new_zeros(())
+        total = d[:0].sum()
         for anchors, refs in _pair_chunks(positives):
             rows, positive = d[anchors], d[anchors, refs].unsqueeze(1)
             beyond = torch.where(negatives[anchors] & (rows > positive), rows, math.inf)
@@ -1158,7 +1158,7 @@ def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
     positives, negatives = _same_labels(labels.reshape(-1), ref_labels.reshape(-1),
                                         exclude_self=ref_emb is None)
     margin, smooth = settings["margin"], settings["smooth"]
-    total, count = values.new_zeros(()), 0
+    total, count = values[:0].sum(), 0
     if settings["hardest"]:
         with torch.no_grad():
             valid = positives.any(1) & negatives.any(1)

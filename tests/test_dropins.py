@@ -1,0 +1,248 @@
+"""The drop-ins against the libraries they replace, on the same inputs: sentence-transformers'
+Batch*TripletLoss classes and pytorch-metric-learning's TripletMarginLoss with its miners (each
+library skipped with a line when absent), values and gradients in float64 and float32; their
+refusals; gather_across_ranks in two processes."""
+import itertools
+
+import pytest
+import torch
+
+import fused_triplet as ft
+from conftest import requires_cuda
+
+ST_CLASSES = ("BatchHardTripletLoss", "BatchAllTripletLoss", "BatchSemiHardTripletLoss",
+              "BatchHardSoftMarginTripletLoss")
+ST_DISTANCES = ("euclidean_distance", "cosine_distance")
+PML_MINERS = (None, "batch_hard", "all", "hard", "semihard", "easy")
+PML_DISTANCES = ("lp", "lp raw", "cosine")
+
+
+def st_losses():
+    return pytest.importorskip(
+        "sentence_transformers.sentence_transformer.losses",
+        reason="sentence-transformers is not installed (pip install -e .[test]): its drop-ins' "
+               "comparison is skipped")
+
+
+def pml():
+    return pytest.importorskip(
+        "pytorch_metric_learning",
+        reason="pytorch-metric-learning is not installed (pip install -e .[test]): its drop-ins' "
+               "comparison is skipped")
+
+
+def batch(kind, size=48, dim=16, seed=0):
+    """Embeddings (float64) and int64 labels of a kind of batch the libraries must agree on."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, dim, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 6, (size,), generator=g)
+    if kind == "duplicates":  # ties: repeated rows, in one class and across classes
+        x[1], x[2], x[5] = x[0], x[0], x[3]
+    elif kind == "single class":
+        labels.zero_()
+    elif kind == "classes of one":
+        labels = torch.arange(size)
+    elif kind == "some without positives":
+        labels[:6] = torch.arange(100, 106)
+    elif kind == "huge norms":
+        x = x * 1e4 + 3e4
+    return x, labels
+
+
+KINDS = ("plain", "duplicates", "single class", "classes of one", "some without positives",
+         "huge norms")
+
+
+def value_and_grad(fn, x):
+    leaf = x.detach().clone().requires_grad_(True)
+    loss = fn(leaf)
+    (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
+    return loss.detach(), (torch.zeros_like(leaf) if grad is None else grad)
+
+
+def assert_like_theirs(ours, theirs, x):
+    """float64: equal to theirs far below float32 rounding (sums in another order; distances
+    near 0 amplify that in the gradient). float32: ours off their float64 result by at most 4x
+    their own float32 error (plus a few float32 ulps of the scale)."""
+    exact_value, exact_grad = value_and_grad(theirs, x)
+    value, grad = value_and_grad(ours, x)
+    torch.testing.assert_close(value, exact_value, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad, exact_grad, rtol=1e-6, atol=1e-9)
+    x32 = x.float()
+    their_value, their_grad = value_and_grad(theirs, x32)
+    value, grad = value_and_grad(ours, x32)
+    for got, their, exact in ((value, their_value, exact_value), (grad, their_grad, exact_grad)):
+        scale = 1 + exact.abs().max()
+        allowed = 4 * (their.double() - exact).abs() + 8 * torch.finfo(torch.float32).eps * scale
+        assert ((got.double() - exact).abs() <= allowed).all(), (got, their, exact)
+
+
+# ---- sentence-transformers ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,distance,kind",
+                         list(itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)))
+def test_sentence_transformers_drop_ins(name, distance, kind):
+    losses = st_losses()
+    x, labels = batch(kind)
+    metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
+    margin = {} if name == "BatchHardSoftMarginTripletLoss" else {"margin": 0.7}
+    theirs = getattr(losses, name)(None, distance_metric=metric, **margin)
+    ours = getattr(ft, name)(None, distance_metric=metric, **margin)
+    assert_like_theirs(lambda e: ours.compute_loss_from_embeddings([e], labels),
+                       lambda e: theirs.compute_loss_from_embeddings([e], labels), x)
+
+
+def test_sentence_transformers_defaults_forward_and_labels():
+    losses = st_losses()
+    x, labels = batch("plain")
+
+    class Model(torch.nn.Module):  # sentence-transformers' model call: features -> a dict
+        def forward(self, features):
+            return {"sentence_embedding": features["x"] * 2}
+
+    for name in ST_CLASSES:
+        theirs, ours = getattr(losses, name)(Model()), getattr(ft, name)(Model())
+        for these in (labels, labels.int(), labels.to(torch.uint8), labels.double()):
+            torch.testing.assert_close(ours([{"x": x}], these), theirs([{"x": x}], these))
+        with pytest.raises(ValueError, match="expects 48 labels"):
+            ours.compute_loss_from_embeddings([x], labels[:-1])
+    assert ft.BatchHardTripletLoss().triplet_margin == 5
+
+
+def test_sentence_transformers_distance_functions_are_recognised_by_name():
+    for metric in (ft.BatchHardTripletLossDistanceFunction.cosine_distance,
+                   ft.BatchHardTripletLossDistanceFunction.eucledian_distance):
+        ft.BatchAllTripletLoss(None, distance_metric=metric)
+    with pytest.raises(ValueError, match="distance_metric must be"):
+        ft.BatchAllTripletLoss(None, distance_metric=lambda e: torch.cdist(e, e))
+
+
+# ---- pytorch-metric-learning -------------------------------------------------------------------
+
+def pml_objects(distance, miner, smooth):
+    lib = pml()
+    from pytorch_metric_learning import distances, losses, miners
+
+    make = {"lp": lambda: distances.LpDistance(), "cosine": distances.CosineSimilarity,
+            "lp raw": lambda: distances.LpDistance(normalize_embeddings=False)}[distance]
+    loss_func = losses.TripletMarginLoss(margin=0.2, distance=make(), smooth_loss=smooth)
+    if miner is None:
+        return lib, loss_func, None
+    if miner == "batch_hard":
+        return lib, loss_func, miners.BatchHardMiner(distance=make())
+    return lib, loss_func, miners.TripletMarginMiner(margin=0.3, type_of_triplets=miner,
+                                                     distance=make())
+
+
+@pytest.mark.parametrize("distance,miner,smooth",
+                         list(itertools.product(PML_DISTANCES, PML_MINERS, (False, True))))
+@pytest.mark.parametrize("kind", ("plain", "duplicates", "classes of one", "reference set"))
+def test_pytorch_metric_learning_drop_in(distance, miner, smooth, kind):
+    _, loss_func, mine = pml_objects(distance, miner, smooth)
+    x, labels = batch("plain" if kind == "reference set" else kind, size=40)
+    refs, ref_labels = (batch("plain", size=30, seed=1) if kind == "reference set"
+                        else (None, None))
+
+    def theirs(e):
+        r = None if refs is None else refs.to(e.dtype)
+        tuples = None if mine is None else mine(e, labels, r, ref_labels)
+        return loss_func(e, labels, tuples, r, ref_labels)
+
+    def ours(e):
+        r = None if refs is None else refs.to(e.dtype)
+        return ft.pml_triplet_loss(loss_func, mine, e, labels, r, ref_labels)
+
+    assert_like_theirs(ours, theirs, x)
+
+
+def test_pytorch_metric_learning_settings_not_covered_raise():
+    pml()
+    from pytorch_metric_learning import distances, losses, miners, reducers
+
+    x, labels = batch("plain")
+    loss = losses.TripletMarginLoss()
+    with pytest.raises(ValueError, match="ref_emb and ref_labels"):
+        ft.pml_triplet_loss(loss, None, x, labels, ref_emb=x)
+    for bad, match in ((losses.TripletMarginLoss(swap=True), "swap"),
+                       (losses.TripletMarginLoss(reducer=reducers.SumReducer()), "reducer"),
+                       (losses.TripletMarginLoss(distance=distances.LpDistance(p=1)), "LpDistance"),
+                       (losses.ContrastiveLoss(), "TripletMarginLoss")):
+        with pytest.raises(ValueError, match=match):
+            ft.pml_triplet_loss(bad, None, x, labels)
+    with pytest.raises(ValueError, match="miner must be"):
+        ft.pml_triplet_loss(loss, miners.MultiSimilarityMiner(), x, labels)
+    with pytest.raises(ValueError, match="miner.distance"):
+        ft.pml_triplet_loss(loss, miners.BatchHardMiner(distance=distances.CosineSimilarity()),
+                            x, labels)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drop_ins_on_the_gpu(dtype):
+    losses = st_losses()
+    x, labels = batch("plain", size=256, dim=64)
+    x, labels = x.cuda().to(dtype), labels.cuda()
+    for name in ST_CLASSES:
+        theirs, ours = getattr(losses, name)(None), getattr(ft, name)(None)
+        want, got = (value_and_grad(lambda e: f.compute_loss_from_embeddings([e], labels), x)
+                     for f in (theirs, ours))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-3, atol=1e-4)
+
+
+# ---- across processes --------------------------------------------------------------------------
+
+def _gather_worker(rank, world, port, backend, results):
+    torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=world)
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+    x, labels = batch("plain", size=21)
+    sizes = [12, 9]  # ranks may hold different batch sizes
+    start = sum(sizes[:rank])
+    local = x[start:start + sizes[rank]].float().to(device).requires_grad_(True)
+    everything, all_labels = ft.gather_across_ranks(local, labels[start:start + sizes[rank]]
+                                                    .to(device))
+    loss = ft.mined_triplet_margin_loss(everything, all_labels, "batch_all", margin=0.5)
+    loss.backward()
+    results.put((rank, loss.item(), local.grad.tolist()))  # plain data: the process ends first
+    torch.distributed.destroy_process_group()
+
+
+def run_two_ranks(backend):
+    """Two processes gather 12 + 9 rows; the loss of the 21 on each, and the local gradients."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=_gather_worker, args=(rank, 2, port, backend, results))
+               for rank in range(2)]
+    for w in workers:
+        w.start()
+    got = dict((rank, (loss, grad)) for rank, loss, grad in (results.get(timeout=300)
+                                                             for _ in workers))
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    x, labels = batch("plain", size=21)
+    device = "cuda" if backend == "nccl" else "cpu"
+    leaf = x.float().to(device).requires_grad_(True)
+    want = ft.mined_triplet_margin_loss(leaf, labels.to(device), "batch_all", margin=0.5)
+    want.backward()
+    for rank, start, stop in ((0, 0, 12), (1, 12, 21)):
+        assert got[rank][0] == pytest.approx(want.item(), rel=1e-6)
+        torch.testing.assert_close(torch.tensor(got[rank][1]), leaf.grad[start:stop].cpu())
+
+
+def test_gather_across_ranks_gives_the_single_process_loss_and_gradient():
+    run_two_ranks("gloo")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="fewer than two GPUs visible: the NCCL gather needs two")
+def test_gather_across_two_gpus():
+    run_two_ranks("nccl")
