@@ -398,11 +398,12 @@ def _mine_batch_hard_fake(embeddings, labels, eps):
     return labels.new_empty(batch), labels.new_empty(batch), labels.new_empty(batch, dtype=torch.bool)
 
 
-def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_backward=False):
+def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_backward=False,
+                     distance=0):
     batch = embeddings.shape[0]
     floats = dict(dtype=torch.float32)
     loss = embeddings.new_empty(batch if reduction == 0 else (), **floats)
-    if mining == 0:
+    if mining != 1:  # every batch_hard: [4, batch] double
         state = embeddings.new_empty((4, batch), dtype=torch.float64)
     else:
         kept = for_backward and batch <= _MINING_WHOLE_ROWS[mining]
@@ -411,7 +412,7 @@ def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_bac
 
 
 def _mined_loss_backward_fake(grad, embeddings, labels, count, state, mining, margin, eps,
-                              reduction, hinge_at_zero):
+                              reduction, hinge_at_zero, distance=0):
     return embeddings.new_empty(embeddings.shape)
 
 
@@ -972,6 +973,8 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
         embedding = self.sentence_embedder(sentence_features[0])["sentence_embedding"]
         return self.compute_loss_from_embeddings([embedding], labels)
 
+    _FUSED_MINING = None  # the mined op's code for this loss, where it has one
+
     def compute_loss_from_embeddings(self, embeddings: list, labels: Tensor) -> Tensor:
         """The loss of embeddings[0] (batch, dim) with labels (batch,) of any dtype."""
         x = embeddings[0]
@@ -979,7 +982,22 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
             raise ValueError(f"{type(self).__name__} expects {x.shape[0]} labels (one per "
                              f"example), but got {labels.numel()} labels with shape "
                              f"{tuple(labels.shape)}.")
-        return self._loss(self._distance(x), labels.reshape(-1))
+        labels = labels.reshape(-1)
+        if self._FUSED_MINING is not None and _mining_takes(x, 2.0):
+            return self._fused_loss(x, labels)
+        return self._loss(self._distance(x), labels)
+
+    def _fused_loss(self, x: Tensor, labels: Tensor) -> Tensor:
+        """The mined op on exact distances: euclidean, or the cosine distance 1 - cos as
+        |a - b|^2 / 2 of the unit rows; labels as int64 ids (equal where they compare equal)."""
+        cosine = self._distance is _st_cosine_distance
+        if labels.is_floating_point() or labels.is_complex():
+            labels = labels.unique(return_inverse=True)[1]
+        margin = 0.0 if self.triplet_margin is None else float(self.triplet_margin)
+        loss = _ops().mined_triplet_loss(_normalized(x) if cosine else x, labels.long(),
+                                         self._FUSED_MINING, margin, 0.0, 1, False,
+                                         1 if cosine else 0)[0]
+        return loss.to(x.dtype) if cosine else loss  # the dtype the library's loss has
 
 
 def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
@@ -997,6 +1015,8 @@ class BatchHardTripletLoss(_SentenceTransformersTripletLoss):
     """sentence-transformers' BatchHardTripletLoss: the mean over every anchor of
     max(hardest positive - hardest negative + margin, 0)."""
 
+    _FUSED_MINING = 2
+
     def __init__(self, model=None, distance_metric=_st_euclidean_distance,
                  margin: float = 5) -> None:
         super().__init__(model, distance_metric, margin)
@@ -1010,6 +1030,8 @@ class BatchHardTripletLoss(_SentenceTransformersTripletLoss):
 class BatchHardSoftMarginTripletLoss(_SentenceTransformersTripletLoss):
     """sentence-transformers' BatchHardSoftMarginTripletLoss: the mean of
     softplus(hardest positive - hardest negative) over every anchor."""
+
+    _FUSED_MINING = 3
 
     def __init__(self, model=None, distance_metric=_st_euclidean_distance) -> None:
         super().__init__(model, distance_metric, None)

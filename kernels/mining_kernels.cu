@@ -358,11 +358,10 @@ __global__ void __launch_bounds__(kRowThreads)
     if (beats<true>(warp_positives[w], best_positive)) best_positive = warp_positives[w];
     if (beats<false>(warp_negatives[w], best_negative)) best_negative = warp_negatives[w];
   }
-  const bool found = best_positive.index >= 0 && best_negative.index >= 0;
   const int64_t anchor = order[me];
-  positive[anchor] = found ? best_positive.index : anchor;
-  negative[anchor] = found ? best_negative.index : anchor;
-  valid[anchor] = found;
+  positive[anchor] = best_positive.index >= 0 ? best_positive.index : anchor;
+  negative[anchor] = best_negative.index >= 0 ? best_negative.index : anchor;
+  valid[anchor] = best_positive.index >= 0 && best_negative.index >= 0;
 }
 
 __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chunk, float* dists) {
@@ -449,13 +448,16 @@ __device__ __forceinline__ float upstream_of(Upstream up, int64_t i) {
   return up.reduction == kMean ? up.grad[0] / fmaxf(up.count[0], 1.f) : up.grad[0];
 }
 
+// softplus with torch's threshold (20): x itself above it.
+__device__ __forceinline__ double softplus(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+
 // A block per anchor: its hardest positive (largest distance, NaN first, then the lowest index)
 // and negative (smallest), then d(a, p) and d(a, n) again as the triplet op computes them
-// (element differences in float, sums in double) and the hinge.
+// (element differences in float, sums in double) and the rule's loss.
 template <bool kPick>
 __global__ void __launch_bounds__(kRowThreads)
-    hard_loss_kernel(MiningChunk chunk, const float* dists, const int64_t* picked, float* loss,
-                     int64_t* counted, double* state) {
+    hard_loss_kernel(MiningChunk chunk, HardRule rule, const float* dists, const int64_t* picked,
+                     float* loss, int64_t* counted, double* state) {
   __shared__ Pick positives[kRowThreads / 32], negatives[kRowThreads / 32];
   __shared__ int64_t chosen[2];
   __shared__ double sums_ap[kRowThreads / 32], sums_an[kRowThreads / 32];
@@ -477,19 +479,21 @@ __global__ void __launch_bounds__(kRowThreads)
     best_negative = block_best<false>(best_negative, negatives);
     if (threadIdx.x == 0) chosen[0] = best_positive.index, chosen[1] = best_negative.index;
     __syncthreads();
-    const bool found = chosen[0] >= 0 && chosen[1] >= 0;
-    positive = found ? chosen[0] : anchor;
-    negative = found ? chosen[1] : anchor;
+    positive = chosen[0] >= 0 ? chosen[0] : anchor;
+    negative = chosen[1] >= 0 ? chosen[1] : anchor;
   } else {
     positive = picked[anchor];
     negative = picked[batch + anchor];
   }
-  const bool found = positive != anchor;
+  const bool found = positive != anchor && negative != anchor;
+  if (!rule.every_anchor && !found) positive = negative = anchor;
+  // sentence-transformers: without a negative, the row's largest distance, its farthest positive
+  if (rule.every_anchor && negative == anchor) negative = positive;
   const float* a = chunk.embeddings + anchor * chunk.dim;
   const float* p = chunk.embeddings + positive * chunk.dim;
   const float* n = chunk.embeddings + negative * chunk.dim;
   double sum_ap = 0.0, sum_an = 0.0;
-  for (int64_t k = threadIdx.x; found && k < chunk.dim; k += kRowThreads) {
+  for (int64_t k = threadIdx.x; k < chunk.dim; k += kRowThreads) {
     const double v_ap = (a[k] - p[k]) + chunk.eps, v_an = (a[k] - n[k]) + chunk.eps;
     sum_ap = fma(v_ap, v_ap, sum_ap);
     sum_an = fma(v_an, v_an, sum_an);
@@ -498,34 +502,47 @@ __global__ void __launch_bounds__(kRowThreads)
   sum_an = block_sum<kRowThreads>(sum_an, sums_an);
   if (threadIdx.x != 0) return;
   // float inputs: a sum past float's range is inf, as torch's float sums make it
-  const auto distance = [](double s) { return s > double(FLT_MAX) ? INFINITY : sqrt(s); };
-  const double d_ap = distance(sum_ap), d_an = distance(sum_an);
-  loss[anchor] = found ? float(hinge(double(chunk.margin) + d_ap - d_an)) : 0.f;
-  counted[anchor] = found;
+  const auto distance = [&](double s, bool exists) {
+    return !exists ? 0.0 : s > double(FLT_MAX) ? INFINITY : rule.half_square ? s / 2 : sqrt(s);
+  };
+  const double d_ap = distance(sum_ap, positive != anchor);
+  const double d_an = distance(sum_an, negative != anchor);
+  const double term = rule.soft ? softplus(d_ap - d_an) : hinge(double(chunk.margin) + d_ap - d_an);
+  loss[anchor] = rule.every_anchor || found ? float(term) : 0.f;
+  counted[anchor] = rule.every_anchor || found;
   state[anchor] = double(positive);
   state[batch + anchor] = double(negative);
   state[2 * batch + anchor] = d_ap;
   state[3 * batch + anchor] = d_an;
 }
 
-// Anchor i's scales of its two distances' gradients, as the triplet op's backward takes them:
-// g / d where the hinge passes the gradient (float distances), else 0.
+// Anchor i's scales of its two distances' gradients: g d loss / d d, times 1 / d for the
+// distance |a - b + eps| (0 at d = 0), as the triplet op's backward takes them.
 struct HardScales {
   int64_t positive, negative;
   float c_ap, c_an;
 };
 
 __device__ __forceinline__ HardScales hard_scales(const double* state, int64_t batch, int64_t i,
-                                                  float margin, float g, bool hinge_at_zero) {
+                                                  float margin, float g, bool hinge_at_zero,
+                                                  HardRule rule) {
   HardScales s{int64_t(state[i]), int64_t(state[batch + i]), 0.f, 0.f};
   const float d_ap = float(state[2 * batch + i]), d_an = float(state[3 * batch + i]);
-  const float hinge_in = margin + d_ap - d_an;
-  const bool active =
-      s.positive != i && (hinge_in > 0.f || (hinge_in == 0.f && hinge_at_zero));
-  if (active) {
-    s.c_ap = d_ap == 0.f ? 0.f : g / d_ap;
-    s.c_an = d_an == 0.f ? 0.f : -g / d_an;
+  float slope;  // d loss / d (d_ap - d_an)
+  if (rule.soft) {
+    const float z = expf(d_ap - d_an);
+    slope = d_ap - d_an > 20.f ? 1.f : z / (z + 1.f);
+  } else {
+    const float hinge_in = margin + d_ap - d_an;
+    slope = hinge_in > 0.f || (hinge_in == 0.f && (hinge_at_zero || rule.every_anchor)) ? 1.f
+                                                                                       : 0.f;
   }
+  const float scale = g * slope;
+  const auto per_distance = [&](float d) {
+    return rule.half_square ? scale : d == 0.f ? 0.f : scale / d;
+  };
+  if (slope != 0.f && s.positive != i) s.c_ap = per_distance(d_ap);
+  if (slope != 0.f && s.negative != i) s.c_an = -per_distance(d_an);
   return s;
 }
 
@@ -541,8 +558,8 @@ struct Hit {
 // before the scan goes on); each warp then writes its rows slice by slice: the row's own term as
 // an anchor, then the listed terms in order. One writer per row: no atomics.
 __global__ void __launch_bounds__(kRowThreads, 1)
-    hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
-                         int rows_per_warp, float* grad) {
+    hard_gradient_kernel(MiningChunk chunk, HardRule rule, const double* state, Upstream up,
+                         bool hinge_at_zero, int rows_per_warp, float* grad) {
   constexpr int kWarps = kRowThreads / 32;
   const int tile_rows = kWarps * rows_per_warp;
   __shared__ Hit hits[kHitSlots];
@@ -571,9 +588,9 @@ __global__ void __launch_bounds__(kRowThreads, 1)
       bool as_positive = false, as_negative = false;
       HardScales s{0, 0, 0.f, 0.f};
       if (near) {
-        s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero);
+        s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero, rule);
         as_positive = s.positive != i && in_tile(chose_positive);
-        as_negative = s.positive != i && in_tile(chose_negative);
+        as_negative = s.negative != i && in_tile(chose_negative);
       }
       const unsigned positives = __ballot_sync(0xffffffffu, as_positive);
       const unsigned negatives = __ballot_sync(0xffffffffu, as_negative);
@@ -607,7 +624,8 @@ __global__ void __launch_bounds__(kRowThreads, 1)
       const float* xm = x + m * dim;
       float* out = grad + m * dim;
       const HardScales own =
-          first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m), hinge_at_zero)
+          first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m),
+                                    hinge_at_zero, rule)
                       : HardScales{0, 0, 0.f, 0.f};
       for (int64_t slice = 0; slice < dim; slice += 32 * kGradientSlice) {  // all lanes in step
         const int64_t k0 = slice + lane;
@@ -879,20 +897,22 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
   return cudaGetLastError();
 }
 
-cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
-                             const int64_t* picked, float* loss, int64_t* counted,
-                             double* state, cudaStream_t stream) {
+cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan,
+                             const HardRule& rule, const float* dists, const int64_t* picked,
+                             float* loss, int64_t* counted, double* state, cudaStream_t stream) {
   const auto kernel = picked == nullptr ? hard_loss_kernel<true> : hard_loss_kernel<false>;
-  kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, dists, picked, loss, counted, state);
+  kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, rule, dists, picked, loss, counted,
+                                                     state);
   return cudaGetLastError();
 }
 
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                 const double* state, const Upstream& upstream, bool hinge_at_zero,
-                                 float* grad, cudaStream_t stream) {
+                                 const HardRule& rule, const double* state,
+                                 const Upstream& upstream, bool hinge_at_zero, float* grad,
+                                 cudaStream_t stream) {
   const int64_t tile_rows = plan.row_block / 32 * plan.gradient_rows_per_warp;
   hard_gradient_kernel<<<(chunk.batch + tile_rows - 1) / tile_rows, plan.row_block, 0, stream>>>(
-      chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
+      chunk, rule, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
   return cudaGetLastError();
 }
 

@@ -11,6 +11,17 @@ namespace fused_triplet {
 
 enum class Mining : int64_t { kBatchHard = 0, kBatchAll = 1 };
 
+// batch_hard's loss: ours (anchors with a positive and a negative; 'mean' over them) or
+// sentence-transformers' (every anchor counts: without a positive d_ap is 0, without a
+// negative d_an is d_ap again; the hinge passes its gradient at 0), the hinge max(margin + d_ap -
+// d_an, 0) or softplus(d_ap - d_an), on d = |a - b + eps| or |a - b|^2 / 2 (the cosine distance
+// of unit rows).
+struct HardRule {
+  bool every_anchor;
+  bool soft;
+  bool half_square;
+};
+
 // Every choice of a mining call, made in plan_mining.
 struct MiningPlan {
   bool whole;             // one batch x batch buffer of exact distances (else chunks of anchors)
@@ -61,7 +72,7 @@ cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, c
 // candidate (lower, upper), then as an anchor (lower, upper): d(s, c)^2 lies within
 // [lower_s + lower_c - 2 gram, upper_s + upper_c - 2 gram]. Candidates whose interval reaches
 // the extreme's are decided by the exact distance of the embeddings. positive / negative: int64
-// indices of the embeddings, by embedding (the anchor itself where there is none); valid: 1
+// indices of the embeddings, by embedding (each the anchor itself where it has none); valid: 1
 // where the anchor has both.
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
                            const float* bounds, const int64_t* classes, const int64_t* order,
@@ -73,20 +84,22 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream);
 
-// batch_hard's loss of every anchor (chunk: the whole batch). picked == nullptr: the hardest
-// positive and negative chosen here from dists [batch, batch]; else picked [2, batch] int64 as
-// launch_hardest wrote them (the anchor itself where it has no triplet). Writes loss [batch] float (0 without a triplet),
-// counted [batch] int64 (1 with one) and state [4, batch] double: positive, negative (the
-// anchor itself where it has none), d(a, p), d(a, n) in double sums.
-cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
-                             const int64_t* picked, float* loss, int64_t* counted,
-                             double* state, cudaStream_t stream);
+// batch_hard's loss of every anchor (chunk: the whole batch) by the rule. picked == nullptr:
+// the hardest positive and negative chosen here from dists [batch, batch] (torch's distances,
+// in the rule's order too); else picked [2, batch] int64 as launch_hardest wrote them. Writes
+// loss [batch] float, counted [batch] int64 (the anchors 'mean' divides by) and state [4, batch]
+// double: positive, negative (the anchor itself where it has none, or for ours both where it
+// lacks one), d(a, p), d(a, n) in double sums (0 for one it lacks).
+cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan,
+                             const HardRule& rule, const float* dists, const int64_t* picked,
+                             float* loss, int64_t* counted, double* state, cudaStream_t stream);
 
 // batch_hard's gradient of the embeddings (float [batch, dim]), every row written: each anchor's
 // own term, then the anchors that chose the row as positive or negative, in anchor order.
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                 const double* state, const Upstream& upstream, bool hinge_at_zero,
-                                 float* grad, cudaStream_t stream);
+                                 const HardRule& rule, const double* state,
+                                 const Upstream& upstream, bool hinge_at_zero, float* grad,
+                                 cudaStream_t stream);
 
 // batch_all over the chunk's rows of exact distances: each anchor's sum of relu(margin + d(i, j)
 // - d(i, k)) over its (positive j, negative k) pairs and how many are > 0 (loss float, counted

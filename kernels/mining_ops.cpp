@@ -10,8 +10,10 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAException.h>
@@ -33,12 +35,25 @@ namespace {
 // The ops' own matrix products and casts run as written, whatever autocast the caller is under.
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
-Mining mining_of(int64_t mining) {
-  TORCH_CHECK(mining == 0 || mining == 1,
-              "fused_triplet mining: mining must be 0 (batch_hard) or 1 (batch_all), got ",
-              std::to_string(mining));
-  return static_cast<Mining>(mining);
+// The op's mining code: 0 batch_hard, 1 batch_all, 2 sentence-transformers' batch_hard (every
+// anchor counts), 3 its soft margin; distance 0: |a - b + eps|, 1: |a - b|^2 / 2 (batch_hard's).
+struct MinedLoss {
+  Mining mining;
+  HardRule rule;
+};
+
+MinedLoss mined_loss_of(int64_t mining, int64_t distance) {
+  TORCH_CHECK(mining >= 0 && mining <= 3,
+              "fused_triplet mining: mining must be 0 (batch_hard), 1 (batch_all), 2 (batch_hard "
+              "over every anchor) or 3 (its soft margin), got ", std::to_string(mining));
+  TORCH_CHECK(distance == 0 || (distance == 1 && mining != 1),
+              "fused_triplet mining: distance must be 0 (|a - b + eps|) or, for batch_hard, 1 "
+              "(|a - b|^2 / 2), got ", std::to_string(distance));
+  return {mining == 1 ? Mining::kBatchAll : Mining::kBatchHard,
+          HardRule{mining >= 2, mining == 3, distance == 1}};
 }
+
+Mining mining_of(int64_t mining) { return mined_loss_of(mining, 0).mining; }
 
 void check_reduction(int64_t reduction) {
   TORCH_CHECK(reduction == kNone || reduction == kMean || reduction == kSum,
@@ -133,8 +148,8 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 // plan keeps the batch whole, else empty (the backward recomputes its distances).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
     const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
-    double margin, double eps, int64_t reduction, bool for_backward) {
-  const Mining mining = mining_of(mining_code);
+    double margin, double eps, int64_t reduction, bool for_backward, int64_t distance) {
+  const auto [mining, rule] = mined_loss_of(mining_code, distance);
   check_reduction(reduction);
   const MiningCall call(embeddings_in, labels_in);
   const at::Tensor& embeddings = call.embeddings;
@@ -159,7 +174,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
       } else {
         picks = std::get<0>(mine_hardest(call, plan, eps));
       }
-      C10_CUDA_CHECK(launch_hard_loss(all, plan, plan.whole ? dists.data_ptr<float>() : nullptr,
+      C10_CUDA_CHECK(launch_hard_loss(all, plan, rule,
+                                      plan.whole ? dists.data_ptr<float>() : nullptr,
                                       plan.whole ? nullptr : picks.data_ptr<int64_t>(),
                                       per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
                                       state.data_ptr<double>(), call.stream));
@@ -209,8 +225,9 @@ void batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan
 at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor& embeddings_in,
                                     const at::Tensor& labels_in, const at::Tensor& count,
                                     const at::Tensor& state, int64_t mining_code, double margin,
-                                    double eps, int64_t reduction, bool hinge_at_zero) {
-  const Mining mining = mining_of(mining_code);
+                                    double eps, int64_t reduction, bool hinge_at_zero,
+                                    int64_t distance) {
+  const auto [mining, rule] = mined_loss_of(mining_code, distance);
   check_reduction(reduction);
   const MiningCall call(embeddings_in, labels_in);
   const at::Tensor& embeddings = call.embeddings;
@@ -246,8 +263,8 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     out = at::empty(embeddings.sizes(), embeddings.options());
   } else if (mining == Mining::kBatchHard) {
     out = at::empty(embeddings.sizes(), embeddings.options());
-    C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
-                                        out.data_ptr<float>(), call.stream));
+    C10_CUDA_CHECK(launch_hard_gradient(all, plan, rule, state.data_ptr<double>(), up,
+                                        hinge_at_zero, out.data_ptr<float>(), call.stream));
   } else if (whole_weights) {
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
@@ -266,7 +283,8 @@ const auto& mined_loss_op() {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fused_triplet::mined_triplet_loss", "")
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, bool)>();
+              const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, bool,
+              int64_t)>();
   return op;
 }
 
@@ -276,7 +294,7 @@ const auto& mined_loss_backward_op() {
           .findSchemaOrThrow("fused_triplet::mined_triplet_loss_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t,
-                            bool)>();
+                            bool, int64_t)>();
   return op;
 }
 
@@ -285,15 +303,17 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const at::Tensor& embeddings,
                                                 const at::Tensor& labels, int64_t mining,
-                                                double margin, double eps, int64_t reduction) {
+                                                double margin, double eps, int64_t reduction,
+                                                int64_t distance) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [loss, count, state] =
-        mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, true);
+        mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, true, distance);
     ctx->save_for_backward({embeddings, labels, count, state});
     ctx->saved_data["mining"] = mining;
     ctx->saved_data["margin"] = margin;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["reduction"] = reduction;
+    ctx->saved_data["distance"] = distance;
     ctx->mark_non_differentiable({count, state});
     ctx->set_materialize_grads(false);  // count and state never get a gradient (no zero fills)
     return {loss, count, state};
@@ -301,7 +321,7 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(6);  // the embeddings; labels and options get none
+    torch::autograd::variable_list out(7);  // the embeddings; labels and options get none
     if (!grads[0].defined() || !ctx->needs_input_grad(0)) return out;
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fused_triplet mining: the fused backward is not differentiable (create_graph="
@@ -310,7 +330,8 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
     out[0] = mined_loss_backward_op().call(
         grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["mining"].toInt(),
         ctx->saved_data["margin"].toDouble(), ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["reduction"].toInt(), hinge_passes_at_zero());
+        ctx->saved_data["reduction"].toInt(), hinge_passes_at_zero(),
+        ctx->saved_data["distance"].toInt());
     return out;
   }
 };
@@ -319,13 +340,15 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
 // backward; otherwise the op runs as it is (batch_all then keeps no weights).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
     const at::Tensor& embeddings, const at::Tensor& labels, int64_t mining, double margin,
-    double eps, int64_t reduction, bool for_backward) {
+    double eps, int64_t reduction, bool for_backward, int64_t distance) {
   if (at::GradMode::is_enabled() && embeddings.requires_grad()) {
-    auto out = MinedLossFunction::apply(embeddings, labels, mining, margin, eps, reduction);
+    auto out = MinedLossFunction::apply(embeddings, labels, mining, margin, eps, reduction,
+                                        distance);
     return {out[0], out[1], out[2]};
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, for_backward);
+  return mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, for_backward,
+                              distance);
 }
 
 // Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor.
@@ -340,7 +363,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
   }
   const MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1), false);
   const auto [picks, valid] = mine_hardest(call, plan, eps);
-  return {picks[0].clone(), picks[1].clone(), valid};  // outputs of their own, not views
+  const at::Tensor anchors = at::arange(batch, picks.options());
+  return {at::where(valid, picks[0], anchors), at::where(valid, picks[1], anchors), valid};
 }
 
 int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mining)); }
@@ -349,14 +373,15 @@ int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mi
 }  // namespace fused_triplet
 
 TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
-  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining 0
-  // batch_hard, 1 batch_all; reduction as at::Reduction (0 none, 1 mean, 2 sum). Returns (loss,
-  // count, state): mined_loss_cuda says what each holds.
+  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining
+  // and distance as mined_loss_of reads them; reduction as at::Reduction (0 none, 1 mean, 2
+  // sum). Returns (loss, count, state): mined_loss_cuda says what each holds.
   m.def("mined_triplet_loss(Tensor embeddings, Tensor labels, int mining, float margin, "
-        "float eps, int reduction, bool for_backward=False) -> (Tensor, Tensor, Tensor)");
+        "float eps, int reduction, bool for_backward=False, int distance=0) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("mined_triplet_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, "
         "Tensor count, Tensor state, int mining, float margin, float eps, int reduction, "
-        "bool hinge_at_zero) -> Tensor");
+        "bool hinge_at_zero, int distance=0) -> Tensor");
   // The largest batch the plan keeps whole (the fake kernel's shape of batch_all's state).
   m.def("mining_whole_rows(int mining) -> int", &fused_triplet::mining_whole_rows);
   // Tests: batch_hard's large-batch mining alone.

@@ -177,17 +177,46 @@ def test_pytorch_metric_learning_settings_not_covered_raise():
 
 
 @requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_drop_ins_on_the_gpu(dtype):
+@pytest.mark.parametrize("name,distance,kind",
+                         list(itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)))
+@pytest.mark.parametrize("size", [256, 3000])  # 3000: batch_hard's Gram mining
+def test_sentence_transformers_drop_ins_on_the_gpu(name, distance, kind, size):
+    # BatchHard and BatchHardSoftMargin run the mined op; the others their torch formula. float32
+    # against the library's float64 result: at most 4x the library's own float32 error.
     losses = st_losses()
-    x, labels = batch("plain", size=256, dim=64)
-    x, labels = x.cuda().to(dtype), labels.cuda()
-    for name in ST_CLASSES:
-        theirs, ours = getattr(losses, name)(None), getattr(ft, name)(None)
-        want, got = (value_and_grad(lambda e: f.compute_loss_from_embeddings([e], labels), x)
-                     for f in (theirs, ours))
-        torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
-        torch.testing.assert_close(got[1], want[1], rtol=1e-3, atol=1e-4)
+    if size > 256 and name not in ("BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss"):
+        pytest.skip("the torch formulas are the CPU tests' (their B x B per pair at 3000 rows)")
+    x, labels = batch(kind, size=size, dim=64)
+    x, labels = x.cuda(), labels.cuda()
+    metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
+    margin = {} if name == "BatchHardSoftMarginTripletLoss" else {"margin": 0.7}
+    theirs = getattr(losses, name)(None, distance_metric=metric, **margin)
+    ours = getattr(ft, name)(None, distance_metric=metric, **margin)
+    exact = value_and_grad(lambda e: theirs.compute_loss_from_embeddings([e], labels), x)
+    their = value_and_grad(lambda e: theirs.compute_loss_from_embeddings([e], labels), x.float())
+    got = value_and_grad(lambda e: ours.compute_loss_from_embeddings([e], labels), x.float())
+    assert got[0].dtype == their[0].dtype and got[1].dtype == torch.float32
+    for mine, library, want in zip(got, their, exact):
+        scale = 1 + want.abs().max()
+        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
+        assert ((mine.double() - want).abs() <= allowed).all(), (mine, library, want)
+
+
+@requires_cuda
+def test_fused_drop_ins_take_two_byte_embeddings_and_float_labels():
+    losses = st_losses()
+    x, labels = batch("plain", size=128, dim=32)
+    x, labels = x.cuda(), labels.cuda()
+    for name in ("BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss"):
+        for distance in ST_DISTANCES:
+            metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
+            ours = getattr(ft, name)(None, distance_metric=metric)
+            want = ours.compute_loss_from_embeddings([x.float()], labels)
+            torch.testing.assert_close(ours.compute_loss_from_embeddings([x.float()],
+                                                                         labels * 0.5 + 0.25), want)
+            for dtype in (torch.bfloat16, torch.float16):
+                got = ours.compute_loss_from_embeddings([x.to(dtype)], labels)
+                torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 # ---- across processes --------------------------------------------------------------------------

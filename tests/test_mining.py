@@ -372,13 +372,17 @@ def test_ops_opcheck():
     ops = torch.ops.fused_triplet
     ft.build()
     torch.library.opcheck(ops.mine_batch_hard, (x, labels, 1e-6))
-    for mining, reduction in itertools.product((0, 1), (0, 1, 2)):
-        torch.library.opcheck(ops.mined_triplet_loss,
-                              (x.clone().requires_grad_(True), labels, mining, 0.5, 1e-6, reduction))
-        _, count, state = ops.mined_triplet_loss(x, labels, mining, 0.5, 1e-6, reduction, True)
+    cases = [(m, r, 0) for m in (0, 1) for r in (0, 1, 2)] + [(2, 1, 0), (3, 1, 1), (2, 0, 1)]
+    for mining, reduction, distance in cases:
+        torch.library.opcheck(ops.mined_triplet_loss, (x.clone().requires_grad_(True), labels,
+                                                       mining, 0.5, 1e-6, reduction, False,
+                                                       distance))
+        _, count, state = ops.mined_triplet_loss(x, labels, mining, 0.5, 1e-6, reduction, True,
+                                                 distance)
         grad = torch.rand(40 if reduction == 0 else (), device="cuda")
         torch.library.opcheck(ops.mined_triplet_loss_backward,
-                              (grad, x, labels, count, state, mining, 0.5, 1e-6, reduction, True))
+                              (grad, x, labels, count, state, mining, 0.5, 1e-6, reduction, True,
+                               distance))
 
 
 @requires_cuda
@@ -467,7 +471,9 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
         lambda: ops.mine_batch_hard(x[0], labels, 1e-6),
         lambda: ops.mine_batch_hard(x, labels.cpu(), 1e-6),
         lambda: ops.mined_triplet_loss(x.to(torch.float8_e4m3fn), labels, 1, 0.5, 1e-6, 1),
-        lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 4, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 2),
+        lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 1e-6, 1, False, 1),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 3),
         lambda: ops.mined_triplet_loss_backward(one.half(), x, labels, count, state, 0, 0.5, 1e-6,
                                                 1, True),
