@@ -321,7 +321,9 @@ def dropin_steps(library, variant):
     except ImportError as error:
         return f"{library} is not installed ({error})"
     loss = losses.TripletMarginLoss(margin=0.2, distance=distances.CosineSimilarity())
-    miner = (None if variant is None else miners.BatchHardMiner() if variant == "BatchHardMiner"
+    miner = (None if variant is None
+             else miners.BatchHardMiner(distance=distances.CosineSimilarity())
+             if variant == "BatchHardMiner"
              else miners.TripletMarginMiner(margin=0.2, type_of_triplets=variant,
                                             distance=distances.CosineSimilarity()))
     return {"fused_triplet": lambda e, y: fused_triplet.pml_triplet_loss(loss, miner, e, y),

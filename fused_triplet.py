@@ -399,11 +399,11 @@ def _mine_batch_hard_fake(embeddings, labels, eps):
 
 
 def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_backward=False,
-                     distance=0):
+                     distance=0, hinge=0, counting=0, band=0, band_margin=0.0):
     batch = embeddings.shape[0]
     floats = dict(dtype=torch.float32)
     loss = embeddings.new_empty(batch if reduction == 0 else (), **floats)
-    if mining != 1:  # every batch_hard: [4, batch] double
+    if mining == 0:
         state = embeddings.new_empty((4, batch), dtype=torch.float64)
     else:
         kept = for_backward and batch <= _MINING_WHOLE_ROWS[mining]
@@ -412,7 +412,8 @@ def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_bac
 
 
 def _mined_loss_backward_fake(grad, embeddings, labels, count, state, mining, margin, eps,
-                              reduction, hinge_at_zero, distance=0):
+                              reduction, hinge_at_zero, distance=0, hinge=0, counting=0, band=0,
+                              band_margin=0.0):
     return embeddings.new_empty(embeddings.shape)
 
 
@@ -973,7 +974,7 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
         embedding = self.sentence_embedder(sentence_features[0])["sentence_embedding"]
         return self.compute_loss_from_embeddings([embedding], labels)
 
-    _FUSED_MINING = None  # the mined op's code for this loss, where it has one
+    _FUSED = None  # the mined op's mining, hinge and counting for this loss, where it has them
 
     def compute_loss_from_embeddings(self, embeddings: list, labels: Tensor) -> Tensor:
         """The loss of embeddings[0] (batch, dim) with labels (batch,) of any dtype."""
@@ -983,21 +984,25 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
                              f"example), but got {labels.numel()} labels with shape "
                              f"{tuple(labels.shape)}.")
         labels = labels.reshape(-1)
-        if self._FUSED_MINING is not None and _mining_takes(x, 2.0):
-            return self._fused_loss(x, labels)
+        if self._FUSED is not None and _mining_takes(x, 2.0):
+            cosine = self._distance is _st_cosine_distance
+            margin = 0.0 if self.triplet_margin is None else float(self.triplet_margin)
+            loss = _library_loss_on_the_op(_normalized(x) if cosine else x, labels, cosine,
+                                           margin, *self._FUSED)
+            return loss.to(x.dtype) if cosine else loss  # the dtype the library's loss has
         return self._loss(self._distance(x), labels)
 
-    def _fused_loss(self, x: Tensor, labels: Tensor) -> Tensor:
-        """The mined op on exact distances: euclidean, or the cosine distance 1 - cos as
-        |a - b|^2 / 2 of the unit rows; labels as int64 ids (equal where they compare equal)."""
-        cosine = self._distance is _st_cosine_distance
-        if labels.is_floating_point() or labels.is_complex():
-            labels = labels.unique(return_inverse=True)[1]
-        margin = 0.0 if self.triplet_margin is None else float(self.triplet_margin)
-        loss = _ops().mined_triplet_loss(_normalized(x) if cosine else x, labels.long(),
-                                         self._FUSED_MINING, margin, 0.0, 1, False,
-                                         1 if cosine else 0)[0]
-        return loss.to(x.dtype) if cosine else loss  # the dtype the library's loss has
+
+def _library_loss_on_the_op(rows: Tensor, labels: Tensor, cosine: bool, margin: float,
+                            mining: int, hinge: int, counting: int, band: int = 0,
+                            band_margin: float = 0.0) -> Tensor:
+    """A library's loss ('mean') as the mined op computes it on exact distances: euclidean, or
+    for unit rows the cosine distance 1 - cos as |a - b|^2 / 2 (a similarity's order is its
+    reverse); labels as int64 ids (equal where they compare equal)."""
+    if labels.is_floating_point() or labels.is_complex():
+        labels = labels.unique(return_inverse=True)[1]
+    return _ops().mined_triplet_loss(rows, labels.long(), mining, margin, 0.0, 1, False,
+                                     int(cosine), hinge, counting, band, band_margin)[0]
 
 
 def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
@@ -1015,7 +1020,7 @@ class BatchHardTripletLoss(_SentenceTransformersTripletLoss):
     """sentence-transformers' BatchHardTripletLoss: the mean over every anchor of
     max(hardest positive - hardest negative + margin, 0)."""
 
-    _FUSED_MINING = 2
+    _FUSED = (0, 0, 1)  # batch_hard, max(x, 0), every anchor counts
 
     def __init__(self, model=None, distance_metric=_st_euclidean_distance,
                  margin: float = 5) -> None:
@@ -1031,7 +1036,7 @@ class BatchHardSoftMarginTripletLoss(_SentenceTransformersTripletLoss):
     """sentence-transformers' BatchHardSoftMarginTripletLoss: the mean of
     softplus(hardest positive - hardest negative) over every anchor."""
 
-    _FUSED_MINING = 3
+    _FUSED = (0, 1, 1)  # batch_hard, softplus, every anchor counts
 
     def __init__(self, model=None, distance_metric=_st_euclidean_distance) -> None:
         super().__init__(model, distance_metric, None)
@@ -1044,6 +1049,8 @@ class BatchHardSoftMarginTripletLoss(_SentenceTransformersTripletLoss):
 class BatchAllTripletLoss(_SentenceTransformersTripletLoss):
     """sentence-transformers' BatchAllTripletLoss: max(d_ap - d_an + margin, 0) over every
     (anchor, positive, negative), summed, over the number of them above 1e-16."""
+
+    _FUSED = (1, 0, 3)  # batch_all, max(x, 0), the losses above 1e-16 count
 
     def __init__(self, model=None, distance_metric=_st_euclidean_distance,
                  margin: float = 5) -> None:
@@ -1175,6 +1182,14 @@ def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
     if (ref_emb is None) != (ref_labels is None):
         raise ValueError("pml_triplet_loss: ref_emb and ref_labels go together (the library "
                          "would reuse the batch's labels for ref_emb)")
+    if ref_emb is None and _mining_takes(embeddings, 2.0):
+        band = 0 if settings["band"] is None else 1 + _PML_BANDS.index(settings["band"])
+        loss = _library_loss_on_the_op(
+            _normalized(embeddings) if settings["normalises"] else embeddings,
+            labels.reshape(-1), settings["similarity"], settings["margin"],
+            0 if settings["hardest"] else 1, int(settings["smooth"]), 2, band,
+            settings["band_margin"])
+        return loss.to(embeddings.dtype)  # the library's loss has the embeddings' dtype
     refs, ref_labels = (embeddings, labels) if ref_emb is None else (ref_emb, ref_labels)
     values = _pml_values(embeddings, refs, settings["normalises"], settings["similarity"])
     positives, negatives = _same_labels(labels.reshape(-1), ref_labels.reshape(-1),

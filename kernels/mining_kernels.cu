@@ -419,7 +419,9 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
     if (a >= chunk.rows) continue;
     for (int j = 0; j < 4; ++j) {
       const int64_t c = col0 + tx * 4 + j;
-      if (c < chunk.batch) dists[a * chunk.batch + c] = sqrtf(acc[i][j]);
+      if (c < chunk.batch) {
+        dists[a * chunk.batch + c] = chunk.rule.half_square ? acc[i][j] / 2 : sqrtf(acc[i][j]);
+      }
     }
   }
 }
@@ -456,8 +458,10 @@ __device__ __forceinline__ double softplus(double x) { return x > 20.0 ? x : log
 // (element differences in float, sums in double) and the rule's loss.
 template <bool kPick>
 __global__ void __launch_bounds__(kRowThreads)
-    hard_loss_kernel(MiningChunk chunk, HardRule rule, const float* dists, const int64_t* picked,
-                     float* loss, int64_t* counted, double* state) {
+    hard_loss_kernel(MiningChunk chunk, const float* dists, const int64_t* picked, float* loss,
+                     int64_t* counted, double* state) {
+  const LossRule& rule = chunk.rule;
+  const bool every_anchor = rule.counting == Counting::kEveryAnchor;
   __shared__ Pick positives[kRowThreads / 32], negatives[kRowThreads / 32];
   __shared__ int64_t chosen[2];
   __shared__ double sums_ap[kRowThreads / 32], sums_an[kRowThreads / 32];
@@ -486,9 +490,9 @@ __global__ void __launch_bounds__(kRowThreads)
     negative = picked[batch + anchor];
   }
   const bool found = positive != anchor && negative != anchor;
-  if (!rule.every_anchor && !found) positive = negative = anchor;
+  if (!every_anchor && !found) positive = negative = anchor;
   // sentence-transformers: without a negative, the row's largest distance, its farthest positive
-  if (rule.every_anchor && negative == anchor) negative = positive;
+  if (every_anchor && negative == anchor) negative = positive;
   const float* a = chunk.embeddings + anchor * chunk.dim;
   const float* p = chunk.embeddings + positive * chunk.dim;
   const float* n = chunk.embeddings + negative * chunk.dim;
@@ -507,9 +511,11 @@ __global__ void __launch_bounds__(kRowThreads)
   };
   const double d_ap = distance(sum_ap, positive != anchor);
   const double d_an = distance(sum_an, negative != anchor);
-  const double term = rule.soft ? softplus(d_ap - d_an) : hinge(double(chunk.margin) + d_ap - d_an);
-  loss[anchor] = rule.every_anchor || found ? float(term) : 0.f;
-  counted[anchor] = rule.every_anchor || found;
+  const double hinge_in = double(chunk.margin) + d_ap - d_an;
+  const float term = every_anchor || found ? float(rule.soft ? softplus(hinge_in) : hinge(hinge_in))
+                                           : 0.f;
+  loss[anchor] = term;
+  counted[anchor] = rule.counting == Counting::kPositive ? term > 0.f : every_anchor || found;
   state[anchor] = double(positive);
   state[batch + anchor] = double(negative);
   state[2 * batch + anchor] = d_ap;
@@ -523,20 +529,22 @@ struct HardScales {
   float c_ap, c_an;
 };
 
+// d softplus(x) / dx as torch's backward takes it: 1 above the threshold (20).
+__device__ __forceinline__ float softplus_slope(float x) {
+  const float z = expf(x);
+  return x > 20.f ? 1.f : z / (z + 1.f);
+}
+
 __device__ __forceinline__ HardScales hard_scales(const double* state, int64_t batch, int64_t i,
                                                   float margin, float g, bool hinge_at_zero,
-                                                  HardRule rule) {
+                                                  const LossRule& rule) {
   HardScales s{int64_t(state[i]), int64_t(state[batch + i]), 0.f, 0.f};
   const float d_ap = float(state[2 * batch + i]), d_an = float(state[3 * batch + i]);
-  float slope;  // d loss / d (d_ap - d_an)
-  if (rule.soft) {
-    const float z = expf(d_ap - d_an);
-    slope = d_ap - d_an > 20.f ? 1.f : z / (z + 1.f);
-  } else {
-    const float hinge_in = margin + d_ap - d_an;
-    slope = hinge_in > 0.f || (hinge_in == 0.f && (hinge_at_zero || rule.every_anchor)) ? 1.f
-                                                                                       : 0.f;
-  }
+  const float hinge_in = margin + d_ap - d_an;
+  const bool passes_at_zero = hinge_at_zero || rule.counting == Counting::kEveryAnchor;
+  // d loss / d (d_ap - d_an)
+  const float slope = rule.soft ? softplus_slope(hinge_in)
+                      : hinge_in > 0.f || (hinge_in == 0.f && passes_at_zero) ? 1.f : 0.f;
   const float scale = g * slope;
   const auto per_distance = [&](float d) {
     return rule.half_square ? scale : d == 0.f ? 0.f : scale / d;
@@ -558,8 +566,8 @@ struct Hit {
 // before the scan goes on); each warp then writes its rows slice by slice: the row's own term as
 // an anchor, then the listed terms in order. One writer per row: no atomics.
 __global__ void __launch_bounds__(kRowThreads, 1)
-    hard_gradient_kernel(MiningChunk chunk, HardRule rule, const double* state, Upstream up,
-                         bool hinge_at_zero, int rows_per_warp, float* grad) {
+    hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
+                         int rows_per_warp, float* grad) {
   constexpr int kWarps = kRowThreads / 32;
   const int tile_rows = kWarps * rows_per_warp;
   __shared__ Hit hits[kHitSlots];
@@ -588,7 +596,8 @@ __global__ void __launch_bounds__(kRowThreads, 1)
       bool as_positive = false, as_negative = false;
       HardScales s{0, 0, 0.f, 0.f};
       if (near) {
-        s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero, rule);
+        s = hard_scales(state, batch, i, chunk.margin, upstream_of(up, i), hinge_at_zero,
+                        chunk.rule);
         as_positive = s.positive != i && in_tile(chose_positive);
         as_negative = s.negative != i && in_tile(chose_negative);
       }
@@ -625,7 +634,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
       float* out = grad + m * dim;
       const HardScales own =
           first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m),
-                                    hinge_at_zero, rule)
+                                    hinge_at_zero, chunk.rule)
                       : HardScales{0, 0, 0.f, 0.f};
       for (int64_t slice = 0; slice < dim; slice += 32 * kGradientSlice) {  // all lanes in step
         const int64_t k0 = slice + lane;
@@ -667,19 +676,47 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   } while (next < batch);
 }
 
-// A block per anchor row of the chunk. Its positives are staged (margin + d(i, j)) a slot each,
-// every negative is held against them; weights: each column's d loss / d d(i, c), scaled by
-// g_i / d(i, c) at the end. Where weights overwrite dists (a whole batch), the row is first
-// copied to shared memory.
+// One triplet's part in batch_all by the rule: its loss, d loss / d (d_ap - d_an), and whether
+// it counts. Outside the band nothing; relu keeps NaN (as torch's relu does).
+struct TripletTerm {
+  float loss, slope;
+  bool counted;
+};
+
+__device__ __forceinline__ TripletTerm triplet_term(const LossRule& rule, float margin, float d_ap,
+                                                    float d_an) {
+  if (rule.band != Band::kNone) {
+    const float gap = d_an - d_ap, edge = rule.band_margin;
+    const bool in_band = rule.band == Band::kEasy ? gap > edge
+                         : rule.band == Band::kHard ? gap <= edge && gap <= 0.f
+                         : rule.band == Band::kSemihard ? gap <= edge && gap > 0.f
+                                                        : gap <= edge;
+    if (!in_band) return {0.f, 0.f, false};
+  }
+  const float v = (margin + d_ap) - d_an;
+  if (rule.soft) {
+    const float loss = v > 20.f ? v : log1pf(expf(v));
+    return {loss, softplus_slope(v), loss > 0.f};
+  }
+  const float floor = rule.counting == Counting::kAbove1e16 ? 1e-16f : 0.f;
+  return {v > 0.f || v != v ? v : 0.f, v > 0.f ? 1.f : 0.f, v > floor};
+}
+
+// A block per anchor row of the chunk. Its positives are staged (d(i, j)) a slot each, every
+// negative is held against them; weights: each column's d loss / d d(i, c), scaled by g_i /
+// d(i, c) at the end (g_i for |a - b|^2 / 2). Where weights overwrite dists (a whole batch), the
+// row is first copied to shared memory.
 __global__ void __launch_bounds__(kRowThreads)
     batch_all_kernel(MiningChunk chunk, const float* dists, Upstream up, float* loss,
                      int64_t* counted, float* weights) {
-  __shared__ float thresholds[kPositiveSlots];  // margin + d(i, j) of the staged positives
+  __shared__ float positive_d[kPositiveSlots];  // d(i, j) of the staged positives
   __shared__ int64_t staged[kPositiveSlots];    // their columns
   __shared__ int warp_counts[kRowThreads / 32];
   __shared__ double sum_scratch[kRowThreads / 32];
   __shared__ int64_t count_scratch[kRowThreads / 32];
   extern __shared__ float row_copy[];  // [batch] where weights == dists
+  const LossRule& rule = chunk.rule;
+  const float margin = chunk.margin;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, anchor = chunk.first + row, batch = chunk.batch;
   const float* d = dists + row * batch;
@@ -713,7 +750,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
       if (is_positive) {
         const int slot = offset + __popc(ballot & ((1u << lane) - 1u));
-        thresholds[slot] = chunk.margin + d[c];
+        positive_d[slot] = d[c];
         staged[slot] = c;
       }
       filled += total;
@@ -724,37 +761,35 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
       if (chunk.ids[c] == my_id) continue;  // the anchor and its positives
       const float dn = d[c];
-      int hits = 0;
+      float slopes = 0.f;
       for (int j = 0; j < filled; ++j) {
-        const float v = thresholds[j] - dn;
-        if (v > 0.f) {
-          ++hits;
-          sum += v;
-        } else if (v != v) {
-          sum += v;  // NaN: the loss is NaN, as torch's relu gives
-        }
+        const TripletTerm term = triplet_term(rule, margin, positive_d[j], dn);
+        sum += term.loss;
+        slopes += term.slope;
+        count += term.counted;
       }
-      count += hits;
-      if (w != nullptr) w[c] -= float(hits);
+      if (w != nullptr) w[c] -= slopes;
     }
     if (w != nullptr) {
-      // Each staged positive: how many negatives its pairs are active with (a warp each).
+      // Each staged positive: the slopes of its pairs with every negative (a warp each).
       for (int j = warp; j < filled; j += kRowThreads / 32) {
-        int hits = 0;
+        float slopes = 0.f;
         for (int64_t c = lane; c < batch; c += 32) {
-          hits += chunk.ids[c] != my_id && thresholds[j] - d[c] > 0.f;
+          if (chunk.ids[c] == my_id) continue;
+          slopes += triplet_term(rule, margin, positive_d[j], d[c]).slope;
         }
-        hits = warp_all_reduce(hits, Plus());
-        if (lane == 0) w[staged[j]] = float(hits);
+        slopes = warp_all_reduce(slopes, Plus());
+        if (lane == 0) w[staged[j]] = slopes;
       }
     }
   }
   if (w != nullptr) {
-    __syncthreads();  // every count of the row is written
+    __syncthreads();  // every weight of the row is written
     const float g = upstream_of(up, anchor);
     for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
       const float weight = w[c];
-      w[c] = weight != 0.f && d[c] != 0.f ? g * weight / d[c] : 0.f;
+      w[c] = weight == 0.f ? 0.f : rule.half_square ? g * weight : d[c] != 0.f ? g * weight / d[c]
+                                                                                : 0.f;
     }
   }
   if (loss == nullptr) return;
@@ -897,22 +932,20 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
   return cudaGetLastError();
 }
 
-cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan,
-                             const HardRule& rule, const float* dists, const int64_t* picked,
-                             float* loss, int64_t* counted, double* state, cudaStream_t stream) {
+cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
+                             const int64_t* picked, float* loss, int64_t* counted,
+                             double* state, cudaStream_t stream) {
   const auto kernel = picked == nullptr ? hard_loss_kernel<true> : hard_loss_kernel<false>;
-  kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, rule, dists, picked, loss, counted,
-                                                     state);
+  kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, dists, picked, loss, counted, state);
   return cudaGetLastError();
 }
 
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                 const HardRule& rule, const double* state,
-                                 const Upstream& upstream, bool hinge_at_zero, float* grad,
-                                 cudaStream_t stream) {
+                                 const double* state, const Upstream& upstream, bool hinge_at_zero,
+                                 float* grad, cudaStream_t stream) {
   const int64_t tile_rows = plan.row_block / 32 * plan.gradient_rows_per_warp;
   hard_gradient_kernel<<<(chunk.batch + tile_rows - 1) / tile_rows, plan.row_block, 0, stream>>>(
-      chunk, rule, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
+      chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
   return cudaGetLastError();
 }
 

@@ -11,15 +11,25 @@ namespace fused_triplet {
 
 enum class Mining : int64_t { kBatchHard = 0, kBatchAll = 1 };
 
-// batch_hard's loss: ours (anchors with a positive and a negative; 'mean' over them) or
-// sentence-transformers' (every anchor counts: without a positive d_ap is 0, without a
-// negative d_an is d_ap again; the hinge passes its gradient at 0), the hinge max(margin + d_ap -
-// d_an, 0) or softplus(d_ap - d_an), on d = |a - b + eps| or |a - b|^2 / 2 (the cosine distance
-// of unit rows).
-struct HardRule {
-  bool every_anchor;
-  bool soft;
+// What 'mean' divides by: the anchors with a triplet (batch_hard) or the triplets with a loss
+// > 0 (batch_all); every anchor (sentence-transformers' batch_hard: without a positive d_ap is
+// 0, without a negative d_an is d_ap again, the hinge passes its gradient at 0); the losses > 0
+// (pytorch-metric-learning's AvgNonZeroReducer); the losses > 1e-16 (sentence-transformers'
+// batch_all).
+enum class Counting : int64_t { kFound = 0, kEveryAnchor = 1, kPositive = 2, kAbove1e16 = 3 };
+// batch_all's triplets by gap = d_an - d_ap against band_margin (pytorch-metric-learning's
+// TripletMarginMiner): every one, <= (all), also <= 0 (hard), also > 0 (semihard), > (easy).
+enum class Band : int64_t { kNone = 0, kAll = 1, kHard = 2, kSemihard = 3, kEasy = 4 };
+
+// What a mined loss computes once its triplets are mined: d = |a - b + eps|, or |a - b|^2 / 2
+// (the cosine distance of unit rows: the libraries' cosine, eps 0); each triplet's loss
+// max(margin + d_ap - d_an, 0) or softplus(margin + d_ap - d_an); counting; batch_all's band.
+struct LossRule {
   bool half_square;
+  bool soft;
+  Counting counting;
+  Band band;
+  float band_margin;
 };
 
 // Every choice of a mining call, made in plan_mining.
@@ -47,6 +57,7 @@ struct MiningChunk {
   const int64_t* ids;
   int64_t batch, dim, first, rows;
   float eps, margin;
+  LossRule rule;
 };
 
 // How the loss was reduced, and the upstream gradient of the backward: [batch] ('none') or one
@@ -79,33 +90,33 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
                            int64_t* positive, int64_t* negative, bool* valid,
                            cudaStream_t stream);
 
-// The exact distances of the chunk's anchors to every embedding: dists [rows, batch] float,
-// torch's pairwise_distance (p = 2, eps inside the norm).
+// The exact distances of the chunk's anchors to every embedding: dists [rows, batch] float, the
+// rule's d (torch's pairwise_distance with p = 2, or |a - b|^2 / 2).
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream);
 
-// batch_hard's loss of every anchor (chunk: the whole batch) by the rule. picked == nullptr:
-// the hardest positive and negative chosen here from dists [batch, batch] (torch's distances,
-// in the rule's order too); else picked [2, batch] int64 as launch_hardest wrote them. Writes
+// batch_hard's loss of every anchor (chunk: the whole batch) by the chunk's rule. picked ==
+// nullptr: the hardest positive and negative chosen here from dists [batch, batch] (the rule's
+// distances); else picked [2, batch] int64 as launch_hardest wrote them. Writes
 // loss [batch] float, counted [batch] int64 (the anchors 'mean' divides by) and state [4, batch]
 // double: positive, negative (the anchor itself where it has none, or for ours both where it
 // lacks one), d(a, p), d(a, n) in double sums (0 for one it lacks).
-cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan,
-                             const HardRule& rule, const float* dists, const int64_t* picked,
-                             float* loss, int64_t* counted, double* state, cudaStream_t stream);
+cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
+                             const int64_t* picked, float* loss, int64_t* counted,
+                             double* state, cudaStream_t stream);
 
 // batch_hard's gradient of the embeddings (float [batch, dim]), every row written: each anchor's
 // own term, then the anchors that chose the row as positive or negative, in anchor order.
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                 const HardRule& rule, const double* state,
-                                 const Upstream& upstream, bool hinge_at_zero, float* grad,
-                                 cudaStream_t stream);
+                                 const double* state, const Upstream& upstream, bool hinge_at_zero,
+                                 float* grad, cudaStream_t stream);
 
-// batch_all over the chunk's rows of exact distances: each anchor's sum of relu(margin + d(i, j)
-// - d(i, k)) over its (positive j, negative k) pairs and how many are > 0 (loss float, counted
-// int64; nullptr: not wanted). weights (nullptr: not wanted): [rows, batch] = g_i (d loss_i /
-// d d(i, c)) / d(i, c) (0 where d(i, c) is 0), g_i the upstream gradient (1 where upstream.grad
-// is nullptr). weights may be dists itself when the plan keeps the batch whole.
+// batch_all over the chunk's rows of exact distances: each anchor's sum of the rule's loss over
+// its (positive j, negative k) pairs in the band and how many the rule counts (loss float,
+// counted int64; nullptr: not wanted). weights (nullptr: not wanted): [rows, batch] = g_i (d
+// loss_i / d d(i, c)) / d(i, c) (0 where d(i, c) is 0; no division for |a - b|^2 / 2), g_i the
+// upstream gradient (1 where upstream.grad is nullptr). weights may be dists itself when the
+// plan keeps the batch whole.
 cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
                              const Upstream& upstream, float* loss, int64_t* counted,
                              float* weights, cudaStream_t stream);

@@ -35,25 +35,32 @@ namespace {
 // The ops' own matrix products and casts run as written, whatever autocast the caller is under.
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
-// The op's mining code: 0 batch_hard, 1 batch_all, 2 sentence-transformers' batch_hard (every
-// anchor counts), 3 its soft margin; distance 0: |a - b + eps|, 1: |a - b|^2 / 2 (batch_hard's).
-struct MinedLoss {
-  Mining mining;
-  HardRule rule;
-};
-
-MinedLoss mined_loss_of(int64_t mining, int64_t distance) {
-  TORCH_CHECK(mining >= 0 && mining <= 3,
-              "fused_triplet mining: mining must be 0 (batch_hard), 1 (batch_all), 2 (batch_hard "
-              "over every anchor) or 3 (its soft margin), got ", std::to_string(mining));
-  TORCH_CHECK(distance == 0 || (distance == 1 && mining != 1),
-              "fused_triplet mining: distance must be 0 (|a - b + eps|) or, for batch_hard, 1 "
-              "(|a - b|^2 / 2), got ", std::to_string(distance));
-  return {mining == 1 ? Mining::kBatchAll : Mining::kBatchHard,
-          HardRule{mining >= 2, mining == 3, distance == 1}};
+Mining mining_of(int64_t mining) {
+  TORCH_CHECK(mining == 0 || mining == 1,
+              "fused_triplet mining: mining must be 0 (batch_hard) or 1 (batch_all), got ",
+              std::to_string(mining));
+  return static_cast<Mining>(mining);
 }
 
-Mining mining_of(int64_t mining) { return mined_loss_of(mining, 0).mining; }
+// The ops' loss rule: distance 0 |a - b + eps|, 1 |a - b|^2 / 2 (eps 0); hinge 0 max(x, 0), 1
+// softplus(x); counting and band as LossRule's enums (counting 1 for batch_hard, 3 for
+// batch_all only).
+LossRule rule_of(Mining mining, int64_t distance, int64_t hinge, int64_t counting, int64_t band,
+                 double band_margin, double eps) {
+  TORCH_CHECK((distance == 0 || (distance == 1 && eps == 0.0)) && (hinge == 0 || hinge == 1),
+              "fused_triplet mining: distance must be 0 or 1 (with eps 0) and hinge 0 or 1, got ",
+              std::to_string(distance), " and ", std::to_string(hinge));
+  const bool hard = mining == Mining::kBatchHard;
+  TORCH_CHECK(counting == 0 || counting == 2 || (counting == 1 && hard) ||
+                  (counting == 3 && !hard),
+              "fused_triplet mining: counting must be 0, 1 (batch_hard), 2 or 3 (batch_all), got ",
+              std::to_string(counting));
+  TORCH_CHECK(band == 0 || (band >= 1 && band <= 4 && !hard),
+              "fused_triplet mining: band must be 0, or 1-4 for batch_all, got ",
+              std::to_string(band));
+  return {distance == 1, hinge == 1, static_cast<Counting>(counting), static_cast<Band>(band),
+          float(band_margin)};
+}
 
 void check_reduction(int64_t reduction) {
   TORCH_CHECK(reduction == kNone || reduction == kMean || reduction == kSum,
@@ -83,8 +90,9 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
 // leave autocast, take the inputs' device, read them as contiguous float embeddings (exact for
 // 2-byte ones) and int64 labels.
 struct MiningCall {
-  MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in)
-      : checked((check_mining(embeddings_in, labels_in), true)),
+  MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, LossRule rule_in = {})
+      : rule(rule_in),
+        checked((check_mining(embeddings_in, labels_in), true)),
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
         embeddings(embeddings_in.to(at::kFloat).contiguous()),
@@ -93,7 +101,7 @@ struct MiningCall {
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
     return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
-            embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin)};
+            embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin), rule};
   }
   // fn(chunk) for each chunk of anchors, with these ids (the labels, or them sorted).
   void for_each_chunk(const MiningPlan& plan, const at::Tensor& ids, double margin, double eps,
@@ -104,6 +112,7 @@ struct MiningCall {
       fn(chunk);
     }
   }
+  LossRule rule;
   bool checked;
   NoAutocast no_autocast;
   c10::cuda::CUDAGuard guard;
@@ -148,10 +157,12 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 // plan keeps the batch whole, else empty (the backward recomputes its distances).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
     const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
-    double margin, double eps, int64_t reduction, bool for_backward, int64_t distance) {
-  const auto [mining, rule] = mined_loss_of(mining_code, distance);
+    double margin, double eps, int64_t reduction, bool for_backward, int64_t distance,
+    int64_t hinge, int64_t counting, int64_t band, double band_margin) {
+  const Mining mining = mining_of(mining_code);
   check_reduction(reduction);
-  const MiningCall call(embeddings_in, labels_in);
+  const MiningCall call(embeddings_in, labels_in,
+                        rule_of(mining, distance, hinge, counting, band, band_margin, eps));
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
   const at::TensorOptions floats = embeddings.options();
@@ -174,8 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
       } else {
         picks = std::get<0>(mine_hardest(call, plan, eps));
       }
-      C10_CUDA_CHECK(launch_hard_loss(all, plan, rule,
-                                      plan.whole ? dists.data_ptr<float>() : nullptr,
+      C10_CUDA_CHECK(launch_hard_loss(all, plan, plan.whole ? dists.data_ptr<float>() : nullptr,
                                       plan.whole ? nullptr : picks.data_ptr<int64_t>(),
                                       per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
                                       state.data_ptr<double>(), call.stream));
@@ -200,24 +210,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
 // batch_all's gradient without saved weights, a chunk of anchors at a time: with A[i, c] the
 // chunk's weights (upstream gradient applied) and x the centred rows,
 //   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps),
-// two matrix products per chunk.
-void batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan,
-                                  const Upstream& up, double margin, double eps, at::Tensor& out) {
-  const at::Tensor& embeddings = call.embeddings;
+// two matrix products per chunk. In double (the H200's double matrix products run about as fast
+// as float's): a row's products nearly cancel where its partners are close (large weights
+// 1 / d), and float left a 3e-4 relative error there. Returns the float64 gradient.
+at::Tensor batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan,
+                                        const Upstream& up, double margin, double eps) {
+  const at::Tensor embeddings = call.embeddings.to(at::kDouble);
   const int64_t batch = embeddings.size(0);
   // less the mean: distances are unchanged, and the products' error shrinks to the spread
   const at::Tensor x = embeddings - embeddings.mean(0, true);
-  at::Tensor dists = at::empty({plan.chunk_rows, batch}, out.options());
-  at::Tensor weights = at::empty({plan.chunk_rows, batch}, out.options());
+  at::Tensor out = at::zeros(embeddings.sizes(), embeddings.options());
+  at::Tensor dists = at::empty({plan.chunk_rows, batch}, call.embeddings.options());
+  at::Tensor weights = at::empty({plan.chunk_rows, batch}, call.embeddings.options());
   call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
     C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
     C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr, nullptr,
                                     weights.data_ptr<float>(), call.stream));
-    const at::Tensor a = weights.narrow(0, 0, chunk.rows);
-    const at::Tensor rows = x.narrow(0, chunk.first, chunk.rows);
-    out.narrow(0, chunk.first, chunk.rows) += a.sum(1, true) * (rows + eps) - at::mm(a, x);
-    out += a.sum(0).unsqueeze(1) * (x - eps) - at::mm(a.t(), rows);
+    // the chunk's weights in double a part at a time: at most as many values as the chunk
+    for (int64_t first = 0; first < chunk.rows; first += plan.chunk_rows / 2 + 1) {
+      const int64_t rows_in = std::min(plan.chunk_rows / 2 + 1, chunk.rows - first);
+      const at::Tensor a = weights.narrow(0, first, rows_in).to(at::kDouble);
+      const at::Tensor rows = x.narrow(0, chunk.first + first, rows_in);
+      out.narrow(0, chunk.first + first, rows_in) += a.sum(1, true) * (rows + eps) - at::mm(a, x);
+      out += a.sum(0).unsqueeze(1) * (x - eps) - at::mm(a.t(), rows);
+    }
   });
+  return out;
 }
 
 // The backward: the embeddings' gradient for the upstream gradient of the loss (float32, as the
@@ -226,10 +244,12 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     const at::Tensor& labels_in, const at::Tensor& count,
                                     const at::Tensor& state, int64_t mining_code, double margin,
                                     double eps, int64_t reduction, bool hinge_at_zero,
-                                    int64_t distance) {
-  const auto [mining, rule] = mined_loss_of(mining_code, distance);
+                                    int64_t distance, int64_t hinge, int64_t counting,
+                                    int64_t band, double band_margin) {
+  const Mining mining = mining_of(mining_code);
   check_reduction(reduction);
-  const MiningCall call(embeddings_in, labels_in);
+  const MiningCall call(embeddings_in, labels_in,
+                        rule_of(mining, distance, hinge, counting, band, band_margin, eps));
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
   const auto on_device = [&](const at::Tensor& x) { return x.device() == embeddings.device(); };
@@ -263,15 +283,14 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     out = at::empty(embeddings.sizes(), embeddings.options());
   } else if (mining == Mining::kBatchHard) {
     out = at::empty(embeddings.sizes(), embeddings.options());
-    C10_CUDA_CHECK(launch_hard_gradient(all, plan, rule, state.data_ptr<double>(), up,
-                                        hinge_at_zero, out.data_ptr<float>(), call.stream));
+    C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
+                                        out.data_ptr<float>(), call.stream));
   } else if (whole_weights) {
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
   } else {
-    out = at::zeros(embeddings.sizes(), embeddings.options());
-    batch_all_gradient_by_chunks(call, plan, up, margin, eps, out);
+    out = batch_all_gradient_by_chunks(call, plan, up, margin, eps);
   }
   return out.to(embeddings_in.scalar_type());
 }
@@ -284,7 +303,7 @@ const auto& mined_loss_op() {
           .findSchemaOrThrow("fused_triplet::mined_triplet_loss", "")
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, bool,
-              int64_t)>();
+              int64_t, int64_t, int64_t, int64_t, double)>();
   return op;
 }
 
@@ -294,7 +313,7 @@ const auto& mined_loss_backward_op() {
           .findSchemaOrThrow("fused_triplet::mined_triplet_loss_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t,
-                            bool, int64_t)>();
+                            bool, int64_t, int64_t, int64_t, int64_t, double)>();
   return op;
 }
 
@@ -304,16 +323,22 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
                                                 const at::Tensor& embeddings,
                                                 const at::Tensor& labels, int64_t mining,
                                                 double margin, double eps, int64_t reduction,
-                                                int64_t distance) {
+                                                int64_t distance, int64_t hinge, int64_t counting,
+                                                int64_t band, double band_margin) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [loss, count, state] =
-        mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, true, distance);
+    auto [loss, count, state] = mined_loss_op().call(embeddings, labels, mining, margin, eps,
+                                                     reduction, true, distance, hinge, counting,
+                                                     band, band_margin);
     ctx->save_for_backward({embeddings, labels, count, state});
     ctx->saved_data["mining"] = mining;
     ctx->saved_data["margin"] = margin;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["reduction"] = reduction;
     ctx->saved_data["distance"] = distance;
+    ctx->saved_data["hinge"] = hinge;
+    ctx->saved_data["counting"] = counting;
+    ctx->saved_data["band"] = band;
+    ctx->saved_data["band_margin"] = band_margin;
     ctx->mark_non_differentiable({count, state});
     ctx->set_materialize_grads(false);  // count and state never get a gradient (no zero fills)
     return {loss, count, state};
@@ -321,7 +346,7 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(7);  // the embeddings; labels and options get none
+    torch::autograd::variable_list out(11);  // the embeddings; labels and options get none
     if (!grads[0].defined() || !ctx->needs_input_grad(0)) return out;
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fused_triplet mining: the fused backward is not differentiable (create_graph="
@@ -331,7 +356,9 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
         grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["mining"].toInt(),
         ctx->saved_data["margin"].toDouble(), ctx->saved_data["eps"].toDouble(),
         ctx->saved_data["reduction"].toInt(), hinge_passes_at_zero(),
-        ctx->saved_data["distance"].toInt());
+        ctx->saved_data["distance"].toInt(), ctx->saved_data["hinge"].toInt(),
+        ctx->saved_data["counting"].toInt(), ctx->saved_data["band"].toInt(),
+        ctx->saved_data["band_margin"].toDouble());
     return out;
   }
 };
@@ -340,15 +367,16 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
 // backward; otherwise the op runs as it is (batch_all then keeps no weights).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
     const at::Tensor& embeddings, const at::Tensor& labels, int64_t mining, double margin,
-    double eps, int64_t reduction, bool for_backward, int64_t distance) {
+    double eps, int64_t reduction, bool for_backward, int64_t distance, int64_t hinge,
+    int64_t counting, int64_t band, double band_margin) {
   if (at::GradMode::is_enabled() && embeddings.requires_grad()) {
     auto out = MinedLossFunction::apply(embeddings, labels, mining, margin, eps, reduction,
-                                        distance);
+                                        distance, hinge, counting, band, band_margin);
     return {out[0], out[1], out[2]};
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, for_backward,
-                              distance);
+                              distance, hinge, counting, band, band_margin);
 }
 
 // Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor.
@@ -373,15 +401,16 @@ int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mi
 }  // namespace fused_triplet
 
 TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
-  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining
-  // and distance as mined_loss_of reads them; reduction as at::Reduction (0 none, 1 mean, 2
-  // sum). Returns (loss, count, state): mined_loss_cuda says what each holds.
+  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining 0
+  // batch_hard, 1 batch_all; reduction as at::Reduction (0 none, 1 mean, 2 sum); the loss rule
+  // as rule_of reads it. Returns (loss, count, state): mined_loss_cuda says what each holds.
   m.def("mined_triplet_loss(Tensor embeddings, Tensor labels, int mining, float margin, "
-        "float eps, int reduction, bool for_backward=False, int distance=0) -> "
-        "(Tensor, Tensor, Tensor)");
+        "float eps, int reduction, bool for_backward=False, int distance=0, int hinge=0, "
+        "int counting=0, int band=0, float band_margin=0.) -> (Tensor, Tensor, Tensor)");
   m.def("mined_triplet_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, "
         "Tensor count, Tensor state, int mining, float margin, float eps, int reduction, "
-        "bool hinge_at_zero, int distance=0) -> Tensor");
+        "bool hinge_at_zero, int distance=0, int hinge=0, int counting=0, int band=0, "
+        "float band_margin=0.) -> Tensor");
   // The largest batch the plan keeps whole (the fake kernel's shape of batch_all's state).
   m.def("mining_whole_rows(int mining) -> int", &fused_triplet::mining_whole_rows);
   // Tests: batch_hard's large-batch mining alone.

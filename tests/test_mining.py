@@ -372,17 +372,19 @@ def test_ops_opcheck():
     ops = torch.ops.fused_triplet
     ft.build()
     torch.library.opcheck(ops.mine_batch_hard, (x, labels, 1e-6))
-    cases = [(m, r, 0) for m in (0, 1) for r in (0, 1, 2)] + [(2, 1, 0), (3, 1, 1), (2, 0, 1)]
-    for mining, reduction, distance in cases:
+    # (mining, reduction, eps, (distance, hinge, counting, band, band_margin))
+    cases = ([(m, r, 1e-6, (0, 0, 0, 0, 0.0)) for m in (0, 1) for r in (0, 1, 2)]
+             + [(0, 1, 0.0, (1, 1, 1, 0, 0.0)), (0, 0, 0.0, (0, 0, 2, 0, 0.0)),
+                (1, 1, 0.0, (1, 1, 3, 3, 0.3)), (1, 0, 0.0, (0, 0, 2, 4, 0.1))])
+    for mining, reduction, eps, rule in cases:
         torch.library.opcheck(ops.mined_triplet_loss, (x.clone().requires_grad_(True), labels,
-                                                       mining, 0.5, 1e-6, reduction, False,
-                                                       distance))
-        _, count, state = ops.mined_triplet_loss(x, labels, mining, 0.5, 1e-6, reduction, True,
-                                                 distance)
+                                                       mining, 0.5, eps, reduction, False, *rule))
+        _, count, state = ops.mined_triplet_loss(x, labels, mining, 0.5, eps, reduction, True,
+                                                 *rule)
         grad = torch.rand(40 if reduction == 0 else (), device="cuda")
         torch.library.opcheck(ops.mined_triplet_loss_backward,
-                              (grad, x, labels, count, state, mining, 0.5, 1e-6, reduction, True,
-                               distance))
+                              (grad, x, labels, count, state, mining, 0.5, eps, reduction, True,
+                               *rule))
 
 
 @requires_cuda
@@ -471,9 +473,14 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
         lambda: ops.mine_batch_hard(x[0], labels, 1e-6),
         lambda: ops.mine_batch_hard(x, labels.cpu(), 1e-6),
         lambda: ops.mined_triplet_loss(x.to(torch.float8_e4m3fn), labels, 1, 0.5, 1e-6, 1),
-        lambda: ops.mined_triplet_loss(x, labels, 4, 0.5, 1e-6, 1),
-        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 2),
-        lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 1e-6, 1, False, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 2),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 1),  # eps with d^2/2
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 2),
+        lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 0.0, 1, False, 0, 0, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 0, 3),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 0, 0, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 0.0, 1, False, 0, 0, 0, 5),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 3),
         lambda: ops.mined_triplet_loss_backward(one.half(), x, labels, count, state, 0, 0.5, 1e-6,
                                                 1, True),
