@@ -330,6 +330,16 @@ def dropin_steps(library, variant):
             library: lambda e, y: loss(e, y, None if miner is None else miner(e, y))}
 
 
+def training_step(loss):
+    """step(x, y): x's gradient cleared, loss(x, y) and its backward; returns the loss."""
+    def step(x, y):
+        x.grad = None
+        out = loss(x, y)
+        out.backward()
+        return out
+    return step
+
+
 def bench_dropin(library, variant, batch, dim, rounds, warmup):
     """One drop-in case: each contender's synced fwd+bwd step and peak extra memory."""
     torch.manual_seed(0)
@@ -341,11 +351,7 @@ def bench_dropin(library, variant, batch, dim, rounds, warmup):
         return [dict(base, contender=library, skipped=losses)]
     steps, rows = {}, []
     for name, loss in losses.items():
-        def step(x, y, loss=loss):
-            x.grad = None
-            out = loss(x, y)
-            out.backward()
-            return out
+        step = training_step(loss)
         row = dict(base, contender=name)
         try:
             step(e, labels)
@@ -424,12 +430,7 @@ def bench_mining(mining, batch, dim, dtype_name, rounds, warmup, margin=1.0):
                 losses[name] = loss
     steps, inputs = {}, {}
     for name, loss in losses.items():
-        def step(x, y, loss=loss):
-            x.grad = None
-            out = loss(x, y)
-            out.backward()
-            return out
-        steps[name], inputs[name] = step, (e, labels)
+        steps[name], inputs[name] = training_step(loss), (e, labels)
     if batch <= PLAIN_STEP_MAX_BATCH:
         a, p, n = (torch.randn(batch, dim, device="cuda").to(dtype).requires_grad_()
                    for _ in range(3))
