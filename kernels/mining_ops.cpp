@@ -90,8 +90,18 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
 // leave autocast, take the inputs' device, read them as contiguous float embeddings (exact for
 // 2-byte ones) and int64 labels.
 struct MiningCall {
-  MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, LossRule rule_in = {})
-      : rule(rule_in),
+  // The ops' arguments: the mining code, the reduction and the loss rule, as rule_of reads it.
+  MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
+             int64_t reduction, double eps, int64_t distance, int64_t hinge, int64_t counting,
+             int64_t band, double band_margin)
+      : MiningCall(embeddings_in, labels_in, mining_of(mining_code),
+                   (check_reduction(reduction),
+                    rule_of(mining_of(mining_code), distance, hinge, counting, band, band_margin,
+                            eps))) {}
+  MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, Mining mining_in,
+             LossRule rule_in)
+      : mining(mining_in),
+        rule(rule_in),
         checked((check_mining(embeddings_in, labels_in), true)),
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
@@ -112,6 +122,7 @@ struct MiningCall {
       fn(chunk);
     }
   }
+  Mining mining;
   LossRule rule;
   bool checked;
   NoAutocast no_autocast;
@@ -159,10 +170,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
     const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
     double margin, double eps, int64_t reduction, bool for_backward, int64_t distance,
     int64_t hinge, int64_t counting, int64_t band, double band_margin) {
-  const Mining mining = mining_of(mining_code);
-  check_reduction(reduction);
-  const MiningCall call(embeddings_in, labels_in,
-                        rule_of(mining, distance, hinge, counting, band, band_margin, eps));
+  const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
+                        counting, band, band_margin);
+  const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
   const at::TensorOptions floats = embeddings.options();
@@ -246,10 +256,9 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     double eps, int64_t reduction, bool hinge_at_zero,
                                     int64_t distance, int64_t hinge, int64_t counting,
                                     int64_t band, double band_margin) {
-  const Mining mining = mining_of(mining_code);
-  check_reduction(reduction);
-  const MiningCall call(embeddings_in, labels_in,
-                        rule_of(mining, distance, hinge, counting, band, band_margin, eps));
+  const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
+                        counting, band, band_margin);
+  const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
   const auto on_device = [&](const at::Tensor& x) { return x.device() == embeddings.device(); };
@@ -383,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings,
                                                                     const at::Tensor& labels,
                                                                     double eps) {
-  const MiningCall call(embeddings, labels);
+  const MiningCall call(embeddings, labels, Mining::kBatchHard, LossRule{});
   const int64_t batch = call.embeddings.size(0);
   if (batch == 0) {
     return {at::empty({0}, call.labels.options()), at::empty({0}, call.labels.options()),
