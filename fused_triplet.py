@@ -8,7 +8,9 @@ materialises `x1 - x2 + eps` (B x D) for each distance.
 Layout of this file: kernel sources -> build -> op registration (fake kernels) -> torch path ->
 argument handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-batch
 mining (mined_triplet_margin_loss, MinedTripletMarginLoss; one op per loss on CUDA, a chunked
-torch reference elsewhere) -> export -> command line.
+torch reference elsewhere) -> drop-ins for sentence-transformers' and pytorch-metric-learning's
+triplet losses (on the mined op where it computes them, their formulas in torch elsewhere) and
+gather_across_ranks -> export -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
