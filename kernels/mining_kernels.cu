@@ -180,41 +180,33 @@ __global__ void __launch_bounds__(kRowThreads)
   bounds[chunk.batch + s] = make_float2(as_anchor - anchor_spread, as_anchor + anchor_spread);
 }
 
-// A block per anchor row, the batch sorted by label: the anchor's positives are the columns of its
-// class's range (gram_rows_kernel's classes), the negatives every other column. Each pass works
-// on t = candidate term - 2 gram (d^2's interval is the anchor's term + t, rounding monotone in t,
-// so extremes of t are extremes of d^2). First the bounds: the negatives in 16-byte groups where
-// rows are aligned (thread t takes groups from kVector t, every kVector x 256 columns), the
-// class's columns strided over the block: a lower bound of the row's largest positive squared
-// distance, an upper bound of its smallest negative one, and each thread's most promising
-// positive and negative column with the runner-up's bound. A column whose interval can beat the
-// row's bound is a candidate and gets its exact distance from the whole warp: the true extreme
-// always is one, so it is always decided exactly. Threads whose runner-up is a candidate too (or
-// that saw a bound that is not finite) walk those columns again. The warps then combine picks.
+// One thread's pass over the bounds of a row of hardest_kernel, in t = candidate term - 2 gram:
+// the negatives in 16-byte groups where rows are aligned (thread t takes groups from kVector t,
+// every kVector x 256 columns), the class's columns strided over the block.
+struct RowScan {
+  // Negatives: the smallest upper t, and the smallest lower t, its column and the runner-up.
+  float ceiling = INFINITY, bottom = INFINITY, next_bottom = INFINITY;
+  int64_t bottom_column = -1;
+  float negative_spans = 0.f;  // sum of upper - lower: not finite where a bound is not
+  // Positives: the largest lower t, and the largest upper t, its column and the runner-up.
+  float floor = -INFINITY, top = -INFINITY, next_top = -INFINITY;
+  int64_t top_column = -1;
+  float positive_spans = 0.f;
+};
+
 template <int kVector>
-__global__ void __launch_bounds__(kRowThreads)
-    hardest_kernel(MiningChunk chunk, const float* gram, const float2* bounds,
-                   const int64_t* classes, const int64_t* order, int64_t* positive,
-                   int64_t* negative, bool* valid) {
-  constexpr int kWarps = kRowThreads / 32;
+__device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk, const float* gram_row,
+                                                   const float2* bounds, int64_t me,
+                                                   int64_t class_first, int64_t class_last) {
   constexpr int kGroups = kRowUnroll / kVector;  // groups of columns loaded at once
-  __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
-  __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
-  const int64_t class_first = classes[2 * me], class_last = classes[2 * me + 1];
-  const float* gram_row = gram + row * batch;
-  const float2 mine = bounds[batch + me];  // bounds: candidate terms, then anchor terms
+  const int64_t batch = chunk.batch;
   const auto in_class = [&](int64_t c) {
     return uint64_t(c - class_first) < uint64_t(class_last - class_first);
   };
   const auto column_of = [&](int64_t base, int u) {  // the u-th column loaded from base
     return base + (u / kVector) * (kVector * kRowThreads) + u % kVector;
   };
-  // Negatives: the smallest upper t, and the smallest lower t, its column and the runner-up.
-  float ceiling = INFINITY, bottom = INFINITY, next_bottom = INFINITY;
-  int64_t bottom_column = -1;
-  float negative_spans = 0.f;  // sum of upper - lower: not finite where a bound is not
+  RowScan scan;
   for (int64_t base = int64_t(threadIdx.x) * kVector; base < batch;
        base += kGroups * kVector * kRowThreads) {
     float products[kRowUnroll];
@@ -250,29 +242,59 @@ __global__ void __launch_bounds__(kRowThreads)
         if (meets_class && in_class(c)) continue;
         const float lower = fmaf(-2.f, products[u], terms[u].x);
         const float upper = fmaf(-2.f, products[u], terms[u].y);
-        negative_spans += upper - lower;
-        ceiling = fminf(ceiling, upper);
-        bottom_column = lower < bottom ? c : bottom_column;
-        next_bottom = fminf(next_bottom, fmaxf(bottom, lower));
-        bottom = fminf(bottom, lower);
+        scan.negative_spans += upper - lower;
+        scan.ceiling = fminf(scan.ceiling, upper);
+        scan.bottom_column = lower < scan.bottom ? c : scan.bottom_column;
+        scan.next_bottom = fminf(scan.next_bottom, fmaxf(scan.bottom, lower));
+        scan.bottom = fminf(scan.bottom, lower);
       }
     }
   }
-  // Positives: the largest lower t, and the largest upper t, its column and the runner-up.
-  float floor = -INFINITY, top = -INFINITY, next_top = -INFINITY;
-  int64_t top_column = -1;
-  float positive_spans = 0.f;
   for (int64_t c = class_first + threadIdx.x; c < class_last; c += kRowThreads) {
     if (c == me) continue;
     const float product = gram_row[c];
     const float2 terms = bounds[c];
     const float lower = fmaf(-2.f, product, terms.x), upper = fmaf(-2.f, product, terms.y);
-    positive_spans += upper - lower;
-    floor = fmaxf(floor, lower);
-    top_column = upper > top ? c : top_column;
-    next_top = fmaxf(next_top, fminf(top, upper));
-    top = fmaxf(top, upper);
+    scan.positive_spans += upper - lower;
+    scan.floor = fmaxf(scan.floor, lower);
+    scan.top_column = upper > scan.top ? c : scan.top_column;
+    scan.next_top = fmaxf(scan.next_top, fminf(scan.top, upper));
+    scan.top = fmaxf(scan.top, upper);
   }
+  return scan;
+}
+
+// A block per anchor row, the batch sorted by label: the anchor's positives are the columns of its
+// class's range (gram_rows_kernel's classes), the negatives every other column. Each pass works
+// on t = candidate term - 2 gram (d^2's interval is the anchor's term + t, rounding monotone in t,
+// so extremes of t are extremes of d^2). First the bounds (scan_row_bounds): a lower bound of the
+// row's largest positive squared distance, an upper bound of its smallest negative one, and
+// each thread's most promising positive and negative column with the runner-up's bound. A column whose interval can beat the
+// row's bound is a candidate and gets its exact distance from the whole warp: the true extreme
+// always is one, so it is always decided exactly. Threads whose runner-up is a candidate too (or
+// that saw a bound that is not finite) walk those columns again. The warps then combine picks.
+template <int kVector>
+__global__ void __launch_bounds__(kRowThreads)
+    hardest_kernel(MiningChunk chunk, const float* gram, const float2* bounds,
+                   const int64_t* classes, const int64_t* order, int64_t* positive,
+                   int64_t* negative, bool* valid) {
+  constexpr int kWarps = kRowThreads / 32;
+  __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
+  __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
+  const int64_t class_first = classes[2 * me], class_last = classes[2 * me + 1];
+  const float* gram_row = gram + row * batch;
+  const float2 mine = bounds[batch + me];  // bounds: candidate terms, then anchor terms
+  const auto in_class = [&](int64_t c) {
+    return uint64_t(c - class_first) < uint64_t(class_last - class_first);
+  };
+  const RowScan scan =
+      scan_row_bounds<kVector>(chunk, gram_row, bounds, me, class_first, class_last);
+  float floor = scan.floor, ceiling = scan.ceiling, top = scan.top, next_top = scan.next_top;
+  float bottom = scan.bottom, next_bottom = scan.next_bottom;
+  const int64_t top_column = scan.top_column, bottom_column = scan.bottom_column;
+  const float positive_spans = scan.positive_spans, negative_spans = scan.negative_spans;
   floor = warp_all_reduce(floor, [](float a, float b) { return fmaxf(a, b); });
   ceiling = warp_all_reduce(ceiling, [](float a, float b) { return fminf(a, b); });
   if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling;
