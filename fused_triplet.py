@@ -434,7 +434,7 @@ def _register_python_parts() -> None:
     torch.library.register_fake("fused_triplet::mined_triplet_loss")(_mined_loss_fake)
     torch.library.register_fake("fused_triplet::mined_triplet_loss_backward")(
         _mined_loss_backward_fake)
-    _MINING_WHOLE_ROWS[:] = [torch.ops.fused_triplet.mining_whole_rows(m) for m in (0, 1)]
+    _MINING_WHOLE_ROWS[:] = [torch.ops.fused_triplet.mining_whole_rows(m) for m in (0, 1, 2)]
 
 
 def _ops():
@@ -1074,6 +1074,8 @@ class BatchSemiHardTripletLoss(_SentenceTransformersTripletLoss):
     """sentence-transformers' BatchSemiHardTripletLoss (FaceNet's rule): for each (anchor,
     positive) the nearest negative farther than the positive, else the farthest negative;
     max(d_ap - d_an + margin, 0) summed over the pairs, over their number."""
+
+    _FUSED = (2, 0, 0)  # semi_hard, max(x, 0), its pairs count
 
     def __init__(self, model=None, distance_metric=_st_euclidean_distance,
                  margin: float = 5) -> None:

@@ -63,7 +63,7 @@ constexpr float kGramRoundingWeight = 1.0f / (1 << 10);
 constexpr float kGramPerElementBound = 1.0f / (1 << 21);
 
 int64_t whole_batch_rows(Mining mining) {
-  return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;
+  return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;  // semi_hard: batch_all's
 }
 
 MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole) {
@@ -731,7 +731,39 @@ __device__ __forceinline__ TripletTerm triplet_term(const LossRule& rule, float 
 // negative is held against them; weights: each column's d loss / d d(i, c), scaled by g_i /
 // d(i, c) at the end (g_i for |a - b|^2 / 2). Where weights overwrite dists (a whole batch), the
 // row is first copied to shared memory.
-template <bool kGeneral>
+// semi_hard's choice for each staged positive j of a row, a warp each: the nearest negative
+// farther than d(i, j) (the lowest column among equals), else the farthest one; its loss
+// max(margin + d(i, j) - d(i, n), 0) (d(i, n) 0 without negatives) into lane 0's sums. Where
+// weights are wanted, the positive's weight is its slope, and the slot then holds the chosen
+// column (staged, -1: none) and the slope (positive_d) for the negatives' weights.
+__device__ void choose_semi_hard(const MiningChunk& chunk, const float* d, int64_t my_id,
+                                 float* positive_d, int64_t* staged, int filled, float* w,
+                                 double& sum, int64_t& count) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int j = warp; j < filled; j += kRowThreads / 32) {
+    const float d_ap = positive_d[j];
+    Pick beyond{0.f, -1}, farthest{0.f, -1};
+    for (int64_t c = lane; c < chunk.batch; c += 32) {
+      if (chunk.ids[c] == my_id) continue;
+      const Pick candidate{d[c], c};
+      if (d[c] > d_ap && beats<false>(candidate, beyond)) beyond = candidate;
+      if (beats<true>(candidate, farthest)) farthest = candidate;
+    }
+    beyond = warp_all_reduce(beyond, [](Pick a, Pick b) { return beats<false>(b, a) ? b : a; });
+    farthest = warp_all_reduce(farthest, [](Pick a, Pick b) { return beats<true>(b, a) ? b : a; });
+    if (lane != 0) continue;
+    const Pick negative = beyond.index >= 0 ? beyond : farthest;
+    const float v = (chunk.margin + d_ap) - (negative.index >= 0 ? negative.value : 0.f);
+    const float slope = v > 0.f ? 1.f : 0.f;
+    sum += v > 0.f || v != v ? v : 0.f;
+    count += 1;
+    if (w != nullptr) w[staged[j]] = slope;
+    staged[j] = negative.index;
+    positive_d[j] = slope;
+  }
+}
+
+template <bool kGeneral, bool kSemiHard>
 __global__ void __launch_bounds__(kRowThreads)
     batch_all_kernel(MiningChunk chunk, const float* dists, Upstream up, float* loss,
                      int64_t* counted, float* weights) {
@@ -783,6 +815,16 @@ __global__ void __launch_bounds__(kRowThreads)
       __syncthreads();  // warp_counts is read before the next group writes it
     }
     if (filled == 0) continue;
+    if constexpr (kSemiHard) {
+      choose_semi_hard(chunk, d, my_id, positive_d, staged, filled, w, sum, count);
+      __syncthreads();
+      if (w != nullptr && threadIdx.x == 0) {  // one writer, slot order: the same bits each run
+        for (int j = 0; j < filled; ++j) {
+          if (staged[j] >= 0) w[staged[j]] -= positive_d[j];
+        }
+      }
+      continue;
+    }
     // Every negative against the staged positives.
     for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
       if (chunk.ids[c] == my_id) continue;  // the anchor and its positives
@@ -984,7 +1026,9 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
   const LossRule& rule = chunk.rule;
   const bool general =
       rule.soft || rule.band != Band::kNone || rule.counting == Counting::kAbove1e16;
-  const auto kernel = general ? batch_all_kernel<true> : batch_all_kernel<false>;
+  const auto kernel = chunk.mining == Mining::kSemiHard ? batch_all_kernel<false, true>
+                      : general                         ? batch_all_kernel<true, false>
+                                                        : batch_all_kernel<false, false>;
   kernel<<<chunk.rows, plan.row_block, row_copy, stream>>>(chunk, dists, upstream, loss, counted,
                                                            weights);
   return cudaGetLastError();

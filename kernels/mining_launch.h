@@ -9,7 +9,12 @@
 
 namespace fused_triplet {
 
-enum class Mining : int64_t { kBatchHard = 0, kBatchAll = 1 };
+// batch_hard: per anchor its hardest positive and negative. batch_all: every (anchor, positive,
+// negative). semi_hard (FaceNet's, as sentence-transformers computes it): per (anchor, positive)
+// the nearest negative farther than the positive, else the farthest negative (0 without
+// negatives); 'mean' over the (anchor, positive) pairs. batch_all and semi_hard share the
+// distance rows and the weights' gradient.
+enum class Mining : int64_t { kBatchHard = 0, kBatchAll = 1, kSemiHard = 2 };
 
 // What 'mean' divides by: the anchors with a triplet (batch_hard) or the triplets with a loss
 // > 0 (batch_all); every anchor (sentence-transformers' batch_hard: without a positive d_ap is
@@ -57,6 +62,7 @@ struct MiningChunk {
   const int64_t* ids;
   int64_t batch, dim, first, rows;
   float eps, margin;
+  Mining mining;
   LossRule rule;
 };
 
@@ -111,8 +117,9 @@ cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& pla
                                  const double* state, const Upstream& upstream, bool hinge_at_zero,
                                  float* grad, cudaStream_t stream);
 
-// batch_all over the chunk's rows of exact distances: each anchor's sum of the rule's loss over
-// its (positive j, negative k) pairs in the band and how many the rule counts (loss float,
+// batch_all (or semi_hard) over the chunk's rows of exact distances: each anchor's sum of the
+// rule's loss over its (positive j, negative k) pairs in the band (semi_hard: over its positives
+// with their chosen negative) and how many the rule counts (semi_hard: its positives) (loss float,
 // counted int64; nullptr: not wanted). weights (nullptr: not wanted): [rows, batch] = g_i (d
 // loss_i / d d(i, c)) / d(i, c) (0 where d(i, c) is 0; no division for |a - b|^2 / 2), g_i the
 // upstream gradient (1 where upstream.grad is nullptr). weights may be dists itself when the

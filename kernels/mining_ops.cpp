@@ -36,9 +36,9 @@ namespace {
 using NoAutocast = c10::impl::ExcludeDispatchKeyGuard;
 
 Mining mining_of(int64_t mining) {
-  TORCH_CHECK(mining == 0 || mining == 1,
-              "fused_triplet mining: mining must be 0 (batch_hard) or 1 (batch_all), got ",
-              std::to_string(mining));
+  TORCH_CHECK(mining >= 0 && mining <= 2,
+              "fused_triplet mining: mining must be 0 (batch_hard), 1 (batch_all) or 2 "
+              "(semi_hard), got ", std::to_string(mining));
   return static_cast<Mining>(mining);
 }
 
@@ -50,12 +50,14 @@ LossRule rule_of(Mining mining, int64_t distance, int64_t hinge, int64_t countin
   TORCH_CHECK((distance == 0 || (distance == 1 && eps == 0.0)) && (hinge == 0 || hinge == 1),
               "fused_triplet mining: distance must be 0 or 1 (with eps 0) and hinge 0 or 1, got ",
               std::to_string(distance), " and ", std::to_string(hinge));
-  const bool hard = mining == Mining::kBatchHard;
+  const bool hard = mining == Mining::kBatchHard, all = mining == Mining::kBatchAll;
+  TORCH_CHECK(mining != Mining::kSemiHard || (hinge == 0 && counting == 0 && band == 0),
+              "fused_triplet mining: semi_hard takes the hinge, its own counting and no band");
   TORCH_CHECK(counting == 0 || counting == 2 || (counting == 1 && hard) ||
-                  (counting == 3 && !hard),
+                  (counting == 3 && all),
               "fused_triplet mining: counting must be 0, 1 (batch_hard), 2 or 3 (batch_all), got ",
               std::to_string(counting));
-  TORCH_CHECK(band == 0 || (band >= 1 && band <= 4 && !hard),
+  TORCH_CHECK(band == 0 || (band >= 1 && band <= 4 && all),
               "fused_triplet mining: band must be 0, or 1-4 for batch_all, got ",
               std::to_string(band));
   return {distance == 1, hinge == 1, static_cast<Counting>(counting), static_cast<Band>(band),
@@ -111,7 +113,7 @@ struct MiningCall {
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
     return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
-            embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin), rule};
+            embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin), mining, rule};
   }
   // fn(chunk) for each chunk of anchors, with these ids (the labels, or them sorted).
   void for_each_chunk(const MiningPlan& plan, const at::Tensor& ids, double margin, double eps,
@@ -164,8 +166,8 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 // The forward: (loss, count, state). loss: float32, per anchor ('none') or reduced; count: one
 // float32, the valid anchors (batch_hard) or active triplets (batch_all) that 'mean' divides by;
 // state: what the backward reads. batch_hard: [4, batch] double (positive, negative, d(a, p),
-// d(a, n)); batch_all: the whole batch's weights [batch, batch] float when for_backward and the
-// plan keeps the batch whole, else empty (the backward recomputes its distances).
+// d(a, n)); batch_all and semi_hard: the whole batch's weights [batch, batch] float when
+// for_backward and the plan keeps the batch whole, else empty (the backward recomputes them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
     const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
     double margin, double eps, int64_t reduction, bool for_backward, int64_t distance,
@@ -181,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   at::Tensor count = at::empty({}, floats);
   at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
   const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
-  const bool keeps_weights = mining == Mining::kBatchAll && for_backward && plan.whole;
+  const bool keeps_weights = mining != Mining::kBatchHard && for_backward && plan.whole;
   at::Tensor state = mining == Mining::kBatchHard
                          ? at::empty({4, batch}, floats.dtype(at::kDouble))
                          : at::empty({keeps_weights ? batch : 0, keeps_weights ? batch : 0}, floats);
@@ -271,7 +273,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
   TORCH_CHECK(count.scalar_type() == at::kFloat && count.dim() == 0 && on_device(count),
               "fused_triplet mining: expected the forward's float32 count, got ",
               count.scalar_type(), " ", shape_text(count));
-  const bool whole_weights = mining == Mining::kBatchAll && state.dim() == 2 &&
+  const bool whole_weights = mining != Mining::kBatchHard && state.dim() == 2 &&
                              state.size(0) == batch && state.size(1) == batch;
   const bool hard_state = mining == Mining::kBatchHard && state.dim() == 2 &&
                           state.size(0) == 4 && state.size(1) == batch;

@@ -209,9 +209,8 @@ def test_pytorch_metric_learning_settings_not_covered_raise():
                          list(itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)))
 @pytest.mark.parametrize("size", [256, 3000])  # 3000: batch_hard's Gram mining
 def test_sentence_transformers_drop_ins_on_the_gpu(name, distance, kind, size):
-    # BatchHard, BatchHardSoftMargin and BatchAll run the mined op, BatchSemiHard its torch
-    # formula. float32 against the library's float64 result: at most 4x the library's own
-    # float32 error.
+    # Each runs the mined op. float32 against the library's float64 result: at most 4x the
+    # library's own float32 error.
     losses = st_losses()
     skip_where_the_library_overflows(losses, name, kind)
     if size > 256 and name not in ("BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss"):
@@ -255,11 +254,29 @@ def test_pytorch_metric_learning_drop_in_on_the_gpu(distance, miner, smooth, kin
 
 
 @requires_cuda
+@pytest.mark.parametrize("name", ["BatchAllTripletLoss", "BatchSemiHardTripletLoss"])
+def test_sentence_transformers_drop_ins_past_the_whole_batch(name):
+    # 4500 rows: distances and weights a chunk of anchors at a time, the gradient in double.
+    # Against the drop-in's torch formula (the library's) in float64: the library itself builds
+    # B x B x B tensors here.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4500, 16, generator=g, dtype=torch.float64).cuda()
+    labels = torch.randint(0, 500, (4500,), generator=g).cuda()
+    loss = getattr(ft, name)(None, margin=0.7)
+    want, want_grad = value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
+    got, got_grad = value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels),
+                                   x.float())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-4,
+                               atol=1e-5 * want_grad.abs().max().item())
+
+
+@requires_cuda
 def test_fused_drop_ins_take_two_byte_embeddings_and_float_labels():
     losses = st_losses()
     x, labels = batch("plain", size=128, dim=32)
     x, labels = x.cuda(), labels.cuda()
-    for name in ("BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss", "BatchAllTripletLoss"):
+    for name in ST_CLASSES:
         for distance in ST_DISTANCES:
             metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
             ours = getattr(ft, name)(None, distance_metric=metric)

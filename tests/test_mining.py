@@ -375,7 +375,8 @@ def test_ops_opcheck():
     # (mining, reduction, eps, (distance, hinge, counting, band, band_margin))
     cases = ([(m, r, 1e-6, (0, 0, 0, 0, 0.0)) for m in (0, 1) for r in (0, 1, 2)]
              + [(0, 1, 0.0, (1, 1, 1, 0, 0.0)), (0, 0, 0.0, (0, 0, 2, 0, 0.0)),
-                (1, 1, 0.0, (1, 1, 3, 3, 0.3)), (1, 0, 0.0, (0, 0, 2, 4, 0.1))])
+                (1, 1, 0.0, (1, 1, 3, 3, 0.3)), (1, 0, 0.0, (0, 0, 2, 4, 0.1)),
+                (2, 1, 1e-6, (0, 0, 0, 0, 0.0)), (2, 0, 0.0, (1, 0, 0, 0, 0.0))])
     for mining, reduction, eps, rule in cases:
         torch.library.opcheck(ops.mined_triplet_loss, (x.clone().requires_grad_(True), labels,
                                                        mining, 0.5, eps, reduction, False, *rule))
@@ -473,7 +474,8 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
         lambda: ops.mine_batch_hard(x[0], labels, 1e-6),
         lambda: ops.mine_batch_hard(x, labels.cpu(), 1e-6),
         lambda: ops.mined_triplet_loss(x.to(torch.float8_e4m3fn), labels, 1, 0.5, 1e-6, 1),
-        lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 3, 0.5, 1e-6, 1),
+        lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 0.0, 1, False, 0, 1),  # semi_hard soft
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 2),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 1),  # eps with d^2/2
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 2),
