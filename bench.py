@@ -305,7 +305,8 @@ DROPIN_CASES = ([("sentence-transformers", v, 1024, 512) for v in (
                     "BatchSemiHardTripletLoss")]
                 + [("pytorch-metric-learning", v, b, 512) for v, b in (
                     ("BatchHardMiner", 1024), ("semihard", 1024), ("semihard", 4096),
-                    (None, 1024), (None, 4096))])
+                    (None, 1024), (None, 4096))]
+                + [("sentence-transformers", "BatchSemiHardTripletLoss", 16384, 512)])
 DROPIN_RESULTS = "results/h200_dropins.json"
 
 
@@ -539,6 +540,28 @@ def readme_mining_table(rows):
     return "\n".join(lines)
 
 
+def readme_dropins_table(rows):
+    """README's drop-in table: each drop-in's synced step against the class it replaces, and
+    the peak extra memory of both."""
+    lines = ["| drop-in | library | B x D | fused_triplet step | library's step | extra MiB (ours / "
+             "library's) |", "|---|---|---|---:|---:|---:|"]
+    for library, variant, shape in dict.fromkeys((r["library"], r["variant"], tuple(r["shape"]))
+                                                 for r in rows):
+        case = {r["contender"]: r for r in rows
+                if (r["library"], r["variant"], tuple(r["shape"])) == (library, variant, shape)}
+        ours, theirs = case.get("fused_triplet", {}), case.get(library, {})
+        if "step_ms" not in ours:
+            continue
+        name = variant if library == "sentence-transformers" else (
+            f"pml_triplet_loss, {'no miner' if variant == 'None' else variant}")
+        their_step = (f"{theirs['step_ms']:.2f} ms ({theirs['fused_speedup']:.1f}x)"
+                      if "step_ms" in theirs else theirs.get("failed", theirs.get("skipped", "-")))
+        lines.append(f"| {name} | {library} | {shape[0]} x {shape[1]} | "
+                     f"**{ours['step_ms']:.2f} ms** | {their_step} | "
+                     f"{ours['extra_mib']:.0f} / {theirs.get('extra_mib', float('nan')):.0f} |")
+    return "\n".join(lines)
+
+
 def print_table(rows):
     head = (f"{'shape':>16} {'dtype':>8} {'contender':>14} {'median ms':>10} {'TB/s':>6} "
             f"{'% peak':>7} {'fused x':>8} {'max err':>9}")
@@ -699,7 +722,7 @@ def main(argv=None) -> int:
                         "(needs matplotlib)")
     parser.add_argument("--readme-table", action="store_true",
                         help=f"no timing: print README's speed tables from {RESULTS}, "
-                        f"{LOOP_RESULTS} and {MINING_RESULTS}")
+                        f"{LOOP_RESULTS}, {MINING_RESULTS} and {DROPIN_RESULTS}")
     args = parser.parse_args(argv)
     if args.readme_table:
         with open(RESULTS) as f:
@@ -710,6 +733,9 @@ def main(argv=None) -> int:
         if os.path.exists(MINING_RESULTS):
             with open(MINING_RESULTS) as f:
                 print("\n" + readme_mining_table(json.load(f)["results"]))
+        if os.path.exists(DROPIN_RESULTS):
+            with open(DROPIN_RESULTS) as f:
+                print("\n" + readme_dropins_table(json.load(f)["results"]))
         return 0
     if args.merge:
         return merge(args.merge, args.json, args.plot)

@@ -35,8 +35,9 @@ def test_readme_table_is_the_recorded_one():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     for table in proc.stdout.strip().split("\n\n"):
-        # the triplet tables at the KernelBench shape, the mining table at its batches
-        assert table.count("\n") >= 3 and ("32768 x 8192" in table or "| mining |" in table)
+        # the triplet tables at the KernelBench shape, the mining and drop-in tables
+        assert table.count("\n") >= 3 and ("32768 x 8192" in table or "| mining |" in table
+                                            or "| drop-in |" in table)
         assert table in readme, "README's tables differ: paste `python bench.py --readme-table`"
 
 
