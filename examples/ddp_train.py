@@ -6,6 +6,11 @@ Every rank draws the same global batch of triplets and trains on its slice; DDP 
 gradients. With --check-grads, rank 0 also runs one single-process step of torch's own
 TripletMarginLoss on the whole global batch from the same initial weights and checks that
 the DDP gradients equal it (the test suite runs this).
+
+--mined: a labelled global batch instead, each rank embedding its slice; gather_across_ranks
+joins the embeddings (the gradient flows back to each rank's rows) and every rank computes the
+batch-hard loss of the global batch, times the world size (DDP averages the ranks' gradients).
+--check-grads then compares with the single-process mined loss of the global batch.
 """
 
 import argparse
@@ -36,6 +41,18 @@ def global_batch(step: int, size: int, in_dim: int):
     return anchor, positive, negative
 
 
+def labelled_global_batch(step: int, size: int, in_dim: int):
+    """The same (inputs, labels) on every rank for a given step: 8 inputs per label."""
+    g = torch.Generator().manual_seed(2000 + step)
+    labels = torch.arange(size) // 8
+    return torch.randn(labels.max().item() + 1, in_dim, generator=g)[labels] + \
+        0.5 * torch.randn(size, in_dim, generator=g), labels
+
+
+def mined_loss(embeddings, labels):
+    return fused_triplet.mined_triplet_margin_loss(embeddings, labels, "batch_hard", margin=0.5)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     has_gpu = torch.cuda.is_available()
@@ -46,6 +63,8 @@ def main() -> int:
     parser.add_argument("--in-dim", type=int, default=128)
     parser.add_argument("--emb-dim", type=int, default=64)
     parser.add_argument("--check-grads", action="store_true")
+    parser.add_argument("--mined", action="store_true",
+                        help="the batch-hard loss of a labelled global batch (gather_across_ranks)")
     args = parser.parse_args()
     if args.device == "cuda" and not has_gpu:
         parser.error("--device cuda: no CUDA GPU is visible (leave --device and --backend out to "
@@ -69,16 +88,23 @@ def main() -> int:
 
     status = 0
     for step in range(args.steps):
-        batch = [x[rank * local:(rank + 1) * local].to(device)
-                 for x in global_batch(step, args.global_batch, args.in_dim)]
         optimizer.zero_grad(set_to_none=True)
-        loss = criterion(*ddp(torch.cat(batch)).split(local))  # one DDP forward per backward
-        loss.backward()
+        if args.mined:
+            inputs, labels = (x[rank * local:(rank + 1) * local].to(device)
+                              for x in labelled_global_batch(step, args.global_batch, args.in_dim))
+            embeddings, every_label = fused_triplet.gather_across_ranks(ddp(inputs), labels)
+            loss = mined_loss(embeddings, every_label)
+            (loss * world).backward()  # each rank's rows' share; DDP's average divides by world
+        else:
+            batch = [x[rank * local:(rank + 1) * local].to(device)
+                     for x in global_batch(step, args.global_batch, args.in_dim)]
+            loss = criterion(*ddp(torch.cat(batch)).split(local))  # one DDP forward per backward
+            loss.backward()
         if step == 0 and args.check_grads and rank == 0:
             status = check_against_single_process(model, args, device)
         optimizer.step()
         loss_sum = loss.detach().clone()
-        dist.all_reduce(loss_sum)
+        dist.all_reduce(loss_sum)  # the mined loss is the global batch's on every rank already
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {loss_sum.item() / world:.4f}", flush=True)
     dist.destroy_process_group()
@@ -86,10 +112,16 @@ def main() -> int:
 
 
 def check_against_single_process(model, args, device) -> int:
-    """DDP's averaged gradients vs one process, torch's loss, the whole global batch."""
+    """DDP's averaged gradients vs one process, torch's loss (or the mined one), the whole
+    global batch."""
     reference = make_model(args.in_dim, args.emb_dim, seed=0).to(device)
-    batch = [x.to(device) for x in global_batch(0, args.global_batch, args.in_dim)]
-    torch.nn.TripletMarginLoss(margin=1.0)(*(reference(x) for x in batch)).backward()
+    if args.mined:
+        inputs, labels = (x.to(device) for x in labelled_global_batch(0, args.global_batch,
+                                                                       args.in_dim))
+        mined_loss(reference(inputs), labels).backward()
+    else:
+        batch = [x.to(device) for x in global_batch(0, args.global_batch, args.in_dim)]
+        torch.nn.TripletMarginLoss(margin=1.0)(*(reference(x) for x in batch)).backward()
     worst = max((p.grad - q.grad).abs().max().item()
                 for p, q in zip(model.parameters(), reference.parameters()))
     scale = max(q.grad.abs().max().item() for q in reference.parameters())

@@ -23,12 +23,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ddp_example(backend, device, steps=2):
+def run_ddp_example(backend, device, steps=2, mined=False):
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            os.path.join(ROOT, "examples", "ddp_train.py"), "--backend", backend, "--device",
-           device, "--steps", str(steps), "--check-grads"]
+           device, "--steps", str(steps), "--check-grads"] + (["--mined"] if mined else [])
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert "DDP gradients vs single process" in proc.stdout and "(ok)" in proc.stdout, \
         (proc.stdout + proc.stderr)[-4000:]
@@ -43,8 +43,9 @@ def run_ddp_example(backend, device, steps=2):
     return proc.stdout
 
 
-def test_ddp_example_gloo_cpu_matches_single_process():
-    run_ddp_example("gloo", "cpu")
+@pytest.mark.parametrize("mined", [False, True])
+def test_ddp_example_gloo_cpu_matches_single_process(mined):
+    run_ddp_example("gloo", "cpu", mined=mined)
 
 
 @requires_two_gpus
