@@ -700,8 +700,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
 
 // One triplet's part in batch_all by the rule: its loss, d loss / d (d_ap - d_an), and whether
 // it counts. Outside the band nothing; relu keeps NaN (as torch's relu does). kGeneral false:
-// the plain rule (no band, the hinge, losses > 0 count), its checks compiled out (they cost the
-// hot loop 5%).
+// the plain rule (no band, the hinge, losses > 0 count), its checks compiled out of the hot loop.
 struct TripletTerm {
   float loss, slope;
   bool counted;

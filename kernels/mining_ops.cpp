@@ -222,9 +222,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
 // batch_all's gradient without saved weights, a chunk of anchors at a time: with A[i, c] the
 // chunk's weights (upstream gradient applied) and x the centred rows,
 //   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps),
-// two matrix products per chunk. In double (the H200's double matrix products run about as fast
-// as float's): a row's products nearly cancel where its partners are close (large weights
-// 1 / d), and float left a 3e-4 relative error there. Returns the float64 gradient.
+// two matrix products per chunk, in double: a row's products nearly cancel where its partners
+// are close (large weights 1 / d), beyond float's precision. Returns the float64 gradient.
 at::Tensor batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan,
                                         const Upstream& up, double margin, double eps) {
   const at::Tensor embeddings = call.embeddings.to(at::kDouble);
