@@ -183,6 +183,14 @@ def test_pytorch_metric_learning_drop_in(distance, miner, smooth, kind):
     assert_like_theirs(ours, theirs, x)
 
 
+def test_pytorch_metric_learning_labels_of_any_dtype():
+    _, loss_func, mine = pml_objects("lp", "semihard", False)
+    x, labels = batch("plain")
+    want = loss_func(x, labels, mine(x, labels))
+    for these in (labels.int(), labels.to(torch.uint8), labels.double() + 0.5):
+        torch.testing.assert_close(ft.pml_triplet_loss(loss_func, mine, x, these), want)
+
+
 def test_pytorch_metric_learning_settings_not_covered_raise():
     pml()
     from pytorch_metric_learning import distances, losses, miners, reducers
