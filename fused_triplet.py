@@ -963,6 +963,8 @@ def _hinge(x: Tensor, smooth: bool) -> Tensor:
 class _SentenceTransformersTripletLoss(torch.nn.Module):
     """What the four sentence-transformers drop-ins share: the model, the distance, the calls."""
 
+    _FUSED = None  # the mined op's mining, hinge and counting for this loss, where it has them
+
     def __init__(self, model, distance_metric, margin) -> None:
         super().__init__()
         self.sentence_embedder = model
@@ -975,8 +977,6 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
         inputs) with these labels, as sentence-transformers' class computes it."""
         embedding = self.sentence_embedder(sentence_features[0])["sentence_embedding"]
         return self.compute_loss_from_embeddings([embedding], labels)
-
-    _FUSED = None  # the mined op's mining, hinge and counting for this loss, where it has them
 
     def compute_loss_from_embeddings(self, embeddings: list, labels: Tensor) -> Tensor:
         """The loss of embeddings[0] (batch, dim) with labels (batch,) of any dtype."""
