@@ -735,11 +735,15 @@ def _distances_from(x: Tensor, start: int, stop: int, p: float, eps: float) -> T
     return _pairwise_distance(x[start:stop, None, :], x[None, :, :], p, eps)
 
 
-def _positive_mask(labels: Tensor, start: int, stop: int) -> tuple:
-    """(positives, negatives) of anchors start:stop as (rows, batch) masks."""
-    same = labels[start:stop, None] == labels[None, :]
-    anchors = torch.arange(start, stop, device=labels.device)
-    is_self = anchors[:, None] == torch.arange(labels.shape[0], device=labels.device)[None, :]
+def _label_masks(labels: Tensor, ref_labels: Tensor, first: int | None) -> tuple:
+    """(positives, negatives) of the anchors' labels against ref_labels, as (anchors, refs)
+    masks. first: where the anchors start among the refs when the refs are the batch itself (an
+    anchor is not its own positive); None for a reference set of other rows."""
+    same = labels[:, None] == ref_labels[None, :]
+    if first is None:
+        return same, ~same
+    anchors = torch.arange(first, first + labels.shape[0], device=labels.device)
+    is_self = anchors[:, None] == torch.arange(ref_labels.shape[0], device=labels.device)[None, :]
     return same & ~is_self, ~same
 
 
@@ -762,7 +766,7 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     with torch.no_grad():
         for start, stop in _row_chunks(batch, batch * x.shape[1]):
             d = _distances_from(x, start, stop, p, eps)
-            is_positive, is_negative = _positive_mask(labels, start, stop)
+            is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             positive[start:stop] = _first_extreme(d, is_positive, largest=True)
             negative[start:stop] = _first_extreme(d, is_negative, largest=False)
             valid[start:stop] = is_positive.any(1) & is_negative.any(1)
@@ -778,7 +782,7 @@ def _batch_all_rows(x: Tensor, labels: Tensor, start: int, stop: int, margin: fl
     anchor, not B^2. Rows with a distance that is not finite take every triplet one by one (inf
     and NaN propagate as relu's do)."""
     d = _distances_from(x, start, stop, p, eps)
-    is_positive, is_negative = _positive_mask(labels, start, stop)
+    is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
     negatives = torch.where(is_negative, d, math.inf).sort(1).values  # the others last
     thresholds = margin + d
     counts = torch.searchsorted(negatives.detach(), thresholds.detach())  # negatives < threshold
@@ -932,17 +936,6 @@ def _st_distance_of(metric, owner: str):
                      f"module's), got {metric!r}")
 
 
-def _same_labels(labels: Tensor, ref_labels: Tensor, exclude_self: bool) -> tuple:
-    """(positives, negatives) as (batch, refs) masks; a row is not its own positive when the
-    references are the batch itself."""
-    same = labels[:, None] == ref_labels[None, :]
-    if exclude_self:
-        positives = same & ~torch.eye(len(labels), dtype=torch.bool, device=labels.device)
-    else:
-        positives = same
-    return positives, ~same
-
-
 def _pair_chunks(positives: Tensor):
     """The (anchor, positive) index pairs of the mask, in chunks whose rows of the distance
     matrix stay within _PAIR_CHUNK_ELEMENTS."""
@@ -1011,7 +1004,7 @@ def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
     """sentence-transformers' hardest pair per anchor: the largest positive distance (0 without
     positives) and the smallest negative one, each other row counting as the row's largest
     distance more (so an anchor without negatives gets about its largest distance)."""
-    positives, negatives = _same_labels(labels, labels, exclude_self=True)
+    positives, negatives = _label_masks(labels, labels, 0)
     hardest_positive = (positives * d).max(1).values
     largest = d.max(1, keepdim=True).values
     hardest_negative = (d + largest * (~negatives)).min(1).values
@@ -1059,7 +1052,7 @@ class BatchAllTripletLoss(_SentenceTransformersTripletLoss):
         super().__init__(model, distance_metric, margin)
 
     def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
-        positives, negatives = _same_labels(labels, labels, exclude_self=True)
+        positives, negatives = _label_masks(labels, labels, 0)
         total, count = d[:0].sum(), 0  # a 0 in the graph
         for anchors, refs in _pair_chunks(positives):
             losses = negatives[anchors] * (d[anchors, refs].unsqueeze(1) - d[anchors] +
@@ -1083,7 +1076,7 @@ class BatchSemiHardTripletLoss(_SentenceTransformersTripletLoss):
         self.margin = margin
 
     def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
-        positives, negatives = _same_labels(labels, labels, exclude_self=True)
+        positives, negatives = _label_masks(labels, labels, 0)
         smallest = d.min(1, keepdim=True).values
         # the farthest negative as the library finds it: shifted by the row's smallest distance
         farthest = ((d - smallest) * negatives).max(1, keepdim=True).values + smallest
@@ -1196,8 +1189,8 @@ def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
         return loss.to(embeddings.dtype)  # the library's loss has the embeddings' dtype
     refs, ref_labels = (embeddings, labels) if ref_emb is None else (ref_emb, ref_labels)
     values = _pml_values(embeddings, refs, settings["normalises"], settings["similarity"])
-    positives, negatives = _same_labels(labels.reshape(-1), ref_labels.reshape(-1),
-                                        exclude_self=ref_emb is None)
+    positives, negatives = _label_masks(labels.reshape(-1), ref_labels.reshape(-1),
+                                        0 if ref_emb is None else None)
     margin, smooth = settings["margin"], settings["smooth"]
     total, count = values[:0].sum(), 0
     if settings["hardest"]:

@@ -72,7 +72,7 @@ def batch_clear_of_band_edges(kind, distance, size, dim, edges=(0.0, 0.3)):
         x, labels = batch(kind, size=size, dim=dim, seed=seed)
         rows = x if distance == "lp raw" else x / x.norm(dim=1, keepdim=True)
         d = -(rows @ rows.t()) if distance == "cosine" else torch.cdist(rows, rows)
-        positives, negatives = ft._same_labels(labels, labels, exclude_self=True)
+        positives, negatives = ft._label_masks(labels, labels, 0)
         gaps = (d[:, None, :] - d[:, :, None])[positives[:, :, None] & negatives[:, None, :]]
         clearance = 16 * torch.finfo(torch.float32).eps * d.abs().max()
         if all(((gaps - e).abs()[gaps != e] > clearance).all() for e in edges):
