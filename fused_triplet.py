@@ -982,22 +982,26 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
         if self._FUSED is not None and _mining_takes(x, 2.0):
             cosine = self._distance is _st_cosine_distance
             margin = 0.0 if self.triplet_margin is None else float(self.triplet_margin)
-            loss = _library_loss_on_the_op(_normalized(x) if cosine else x, labels, cosine,
+            loss = _library_loss_on_the_op(x, labels, _COSINE if cosine else _EUCLIDEAN,
                                            margin, *self._FUSED)
             return loss.to(x.dtype) if cosine else loss  # the dtype the library's loss has
         return self._loss(self._distance(x), labels)
 
 
-def _library_loss_on_the_op(rows: Tensor, labels: Tensor, cosine: bool, margin: float,
+# The mined op's distance codes: |a - b| (eps 0), cosine 1 - cos (|a - b|^2 / 2 of unit rows), and
+# |a - b| of unit rows (the op scales the rows itself: one launch where torch's takes a dozen).
+_EUCLIDEAN, _COSINE, _UNIT_EUCLIDEAN = 0, 3, 2
+
+
+def _library_loss_on_the_op(x: Tensor, labels: Tensor, distance: int, margin: float,
                             mining: int, hinge: int, counting: int, band: int = 0,
                             band_margin: float = 0.0) -> Tensor:
-    """A library's loss ('mean') as the mined op computes it on exact distances: euclidean, or
-    for unit rows the cosine distance 1 - cos as |a - b|^2 / 2 (a similarity's order is its
-    reverse); labels as int64 ids (equal where they compare equal)."""
+    """A library's loss ('mean') as the mined op computes it on exact distances (a similarity's
+    order is its distance's reverse); labels as int64 ids (equal where they compare equal)."""
     if labels.is_floating_point() or labels.is_complex():
         labels = labels.unique(return_inverse=True)[1]
-    return _ops().mined_triplet_loss(rows, labels.long(), mining, margin, 0.0, 1, False,
-                                     int(cosine), hinge, counting, band, band_margin)[0]
+    return _ops().mined_triplet_loss(x, labels.long(), mining, margin, 0.0, 1, False,
+                                     distance, hinge, counting, band, band_margin)[0]
 
 
 def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
@@ -1181,9 +1185,10 @@ def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
                          "would reuse the batch's labels for ref_emb)")
     if ref_emb is None and _mining_takes(embeddings, 2.0):
         band = 0 if settings["band"] is None else 1 + _PML_BANDS.index(settings["band"])
+        distance = (_COSINE if settings["similarity"] else
+                    _UNIT_EUCLIDEAN if settings["normalises"] else _EUCLIDEAN)
         loss = _library_loss_on_the_op(
-            _normalized(embeddings) if settings["normalises"] else embeddings,
-            labels.reshape(-1), settings["similarity"], settings["margin"],
+            embeddings, labels.reshape(-1), distance, settings["margin"],
             0 if settings["hardest"] else 1, int(settings["smooth"]), 2, band,
             settings["band_margin"])
         return loss.to(embeddings.dtype)  # the library's loss has the embeddings' dtype

@@ -16,6 +16,9 @@
 //                         over its (positive, negative) pairs; the weights d loss / d d(i, c) / d.
 //   all_gradient_kernel   batch_all's gradient from the whole batch's weights, tiled.
 //   mined_total_kernel    'mean' / 'sum' and the count, one block.
+//   unit_rows_kernel, unit_rows_backward_kernel
+//                         the rows scaled to unit length (the libraries' normalised
+//                         embeddings) and the gradient through that scaling.
 #include "mining_launch.h"
 #include "triplet_device.cuh"
 
@@ -128,6 +131,11 @@ __device__ __forceinline__ Pick shfl_xor(Pick pick, int offset) {
   return {fused_triplet::shfl_xor(pick.value, offset), fused_triplet::shfl_xor(pick.index, offset)};
 }
 
+// The row of the kernels that give each warp of a kRowThreads block its own row.
+__device__ __forceinline__ int64_t warp_row() {
+  return int64_t(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
+}
+
 // batch_hard's Gram inputs, a warp per sorted position s: the embedding order[s] less the batch
 // mean, x, rounded to bfloat16 (x~ = x + r), and its bounds' terms, by the spreads of the table:
 // w n^2 + |r|^2 / w + 2 gram_bound n^2 (n = max(|x|, |x~|); (n + eps sqrt(D))^2 in the last term
@@ -137,7 +145,7 @@ __global__ void __launch_bounds__(kRowThreads)
     gram_rows_kernel(MiningChunk chunk, MiningPlan plan, const int64_t* order, const float* mean,
                      __nv_bfloat16* rounded, float2* bounds, int64_t* classes) {
   const int lane = threadIdx.x % 32;
-  const int64_t s = int64_t(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
+  const int64_t s = warp_row();
   if (s >= chunk.batch) return;
   const int64_t dim = chunk.dim;
   if (lane < 2) {  // s's class range [first, last) in the sorted labels: lane 1 its end, lane 0 its start
@@ -971,7 +979,62 @@ __global__ void __launch_bounds__(kRowThreads)
   count[0] = float(n);
 }
 
+// A warp per row: |x|^2 in double, the lanes striding the row.
+__device__ double row_square_sum(const float* x, int64_t dim, int lane) {
+  double sq = 0.0;
+  for (int64_t k = lane; k < dim; k += 32) sq += double(x[k]) * x[k];
+  return warp_all_reduce(sq, Plus());
+}
+
+constexpr double kUnitRowsFloor = 1e-12;  // the libraries' normalisation: x / max(|x|, 1e-12)
+
+__global__ void __launch_bounds__(kRowThreads)
+    unit_rows_kernel(const float* x, int64_t batch, int64_t dim, float* unit) {
+  const int64_t row = warp_row();
+  if (row >= batch) return;
+  const int lane = threadIdx.x % 32;
+  x += row * dim;
+  const float scale = float(fmax(sqrt(row_square_sum(x, dim, lane)), kUnitRowsFloor));
+  for (int64_t k = lane; k < dim; k += 32) unit[row * dim + k] = x[k] / scale;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    unit_rows_backward_kernel(const float* x, const float* unit_grad, int64_t batch, int64_t dim,
+                              float* grad) {
+  const int64_t row = warp_row();
+  if (row >= batch) return;
+  const int lane = threadIdx.x % 32;
+  x += row * dim;
+  unit_grad += row * dim;
+  const double norm = sqrt(row_square_sum(x, dim, lane));
+  double along = 0.0;  // x . g
+  for (int64_t k = lane; k < dim; k += 32) along += double(x[k]) * unit_grad[k];
+  along = warp_all_reduce(along, Plus());
+  const bool scaled = norm >= kUnitRowsFloor;
+  const double projection = scaled ? along / (norm * norm) : 0.0;
+  const double scale = scaled ? norm : kUnitRowsFloor;
+  for (int64_t k = lane; k < dim; k += 32) {
+    grad[row * dim + k] = float((unit_grad[k] - x[k] * projection) / scale);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_unit_rows(const float* x, int64_t batch, int64_t dim, float* unit,
+                             cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kRowThreads / 32;
+  unit_rows_kernel<<<(batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
+      x, batch, dim, unit);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_unit_rows_backward(const float* x, const float* unit_grad, int64_t batch,
+                                      int64_t dim, float* grad, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kRowThreads / 32;
+  unit_rows_backward_kernel<<<(batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0,
+                              stream>>>(x, unit_grad, batch, dim, grad);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
                              const float* mean, void* rounded, float* bounds, int64_t* classes,

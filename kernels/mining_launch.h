@@ -27,9 +27,11 @@ enum class Counting : int64_t { kFound = 0, kEveryAnchor = 1, kPositive = 2, kAb
 enum class Band : int64_t { kNone = 0, kAll = 1, kHard = 2, kSemihard = 3, kEasy = 4 };
 
 // What a mined loss computes once its triplets are mined: d = |a - b + eps|, or |a - b|^2 / 2
-// (the cosine distance of unit rows: the libraries' cosine, eps 0); each triplet's loss
-// max(margin + d_ap - d_an, 0) or softplus(margin + d_ap - d_an); counting; batch_all's band.
+// (the cosine distance of unit rows: the libraries' cosine, eps 0), of the rows as given or
+// scaled to unit length first (x / max(|x|, 1e-12), as the libraries normalise); each triplet's
+// loss max(margin + d_ap - d_an, 0) or softplus(margin + d_ap - d_an); counting; batch_all's band.
 struct LossRule {
+  bool unit_rows;
   bool half_square;
   bool soft;
   Counting counting;
@@ -133,6 +135,15 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                 const float* weights, const Upstream& upstream, float* grad,
                                 cudaStream_t stream);
+
+// The rows x [batch, dim] float scaled to unit length: unit = x / max(|x|, 1e-12) (the norm in
+// double), a warp per row.
+cudaError_t launch_unit_rows(const float* x, int64_t batch, int64_t dim, float* unit,
+                             cudaStream_t stream);
+// The gradient through that scaling: grad = (g - u (u . g)) / |x| where |x| >= 1e-12 (u the unit
+// row), else g / 1e-12 (below its bound clamp_min passes no gradient to the norm).
+cudaError_t launch_unit_rows_backward(const float* x, const float* unit_grad, int64_t batch,
+                                      int64_t dim, float* grad, cudaStream_t stream);
 
 // The reduction: loss = the sum of loss[batch] (over max(count, 1) for 'mean'; nothing for
 // 'none') and count = the sum of counted[batch], both one float, sums in double.

@@ -42,14 +42,15 @@ Mining mining_of(int64_t mining) {
   return static_cast<Mining>(mining);
 }
 
-// The ops' loss rule: distance 0 |a - b + eps|, 1 |a - b|^2 / 2 (eps 0); hinge 0 max(x, 0), 1
-// softplus(x); counting and band as LossRule's enums (counting 1 for batch_hard, 3 for
-// batch_all only).
+// The ops' loss rule: distance 0 |a - b + eps|, 1 |a - b|^2 / 2 (eps 0), 2 and 3 the same of the
+// rows scaled to unit length (eps 0); hinge 0 max(x, 0), 1 softplus(x); counting and band as
+// LossRule's enums (counting 1 for batch_hard, 3 for batch_all only).
 LossRule rule_of(Mining mining, int64_t distance, int64_t hinge, int64_t counting, int64_t band,
                  double band_margin, double eps) {
-  TORCH_CHECK((distance == 0 || (distance == 1 && eps == 0.0)) && (hinge == 0 || hinge == 1),
-              "fused_triplet mining: distance must be 0 or 1 (with eps 0) and hinge 0 or 1, got ",
-              std::to_string(distance), " and ", std::to_string(hinge));
+  TORCH_CHECK(distance >= 0 && distance <= 3 && (distance == 0 || eps == 0.0) &&
+                  (hinge == 0 || hinge == 1),
+              "fused_triplet mining: distance must be 0, or 1-3 with eps 0, and hinge 0 or 1, "
+              "got ", std::to_string(distance), " and ", std::to_string(hinge));
   const bool hard = mining == Mining::kBatchHard, all = mining == Mining::kBatchAll;
   TORCH_CHECK(mining != Mining::kSemiHard || (hinge == 0 && counting == 0 && band == 0),
               "fused_triplet mining: semi_hard takes the hinge, its own counting and no band");
@@ -60,8 +61,8 @@ LossRule rule_of(Mining mining, int64_t distance, int64_t hinge, int64_t countin
   TORCH_CHECK(band == 0 || (band >= 1 && band <= 4 && all),
               "fused_triplet mining: band must be 0, or 1-4 for batch_all, got ",
               std::to_string(band));
-  return {distance == 1, hinge == 1, static_cast<Counting>(counting), static_cast<Band>(band),
-          float(band_margin)};
+  return {distance >= 2, distance % 2 == 1, hinge == 1, static_cast<Counting>(counting),
+          static_cast<Band>(band), float(band_margin)};
 }
 
 void check_reduction(int64_t reduction) {
@@ -90,7 +91,7 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
 
 // What every mining op does first, for as long as it runs: check its inputs (before any launch),
 // leave autocast, take the inputs' device, read them as contiguous float embeddings (exact for
-// 2-byte ones) and int64 labels.
+// 2-byte ones; scaled to unit length where the rule says) and int64 labels.
 struct MiningCall {
   // The ops' arguments: the mining code, the reduction and the loss rule, as rule_of reads it.
   MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
@@ -107,9 +108,10 @@ struct MiningCall {
         checked((check_mining(embeddings_in, labels_in), true)),
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
-        embeddings(embeddings_in.to(at::kFloat).contiguous()),
-        labels(labels_in.contiguous()),
-        stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()) {}
+        stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()),
+        given(embeddings_in.to(at::kFloat).contiguous()),
+        embeddings(rule.unit_rows ? unit_rows(given) : given),
+        labels(labels_in.contiguous()) {}
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
     return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
@@ -124,13 +126,34 @@ struct MiningCall {
       fn(chunk);
     }
   }
+  // The gradient of the given rows from the gradient of the rows the kernels read.
+  at::Tensor given_gradient(const at::Tensor& grad) const {
+    if (!rule.unit_rows || grad.numel() == 0) return grad;
+    at::Tensor out = at::empty_like(grad);
+    C10_CUDA_CHECK(launch_unit_rows_backward(given.data_ptr<float>(), grad.data_ptr<float>(),
+                                             grad.size(0), grad.size(1), out.data_ptr<float>(),
+                                             stream));
+    return out;
+  }
   Mining mining;
   LossRule rule;
   bool checked;
   NoAutocast no_autocast;
   c10::cuda::CUDAGuard guard;
-  at::Tensor embeddings, labels;
   cudaStream_t stream;
+  at::Tensor given;       // the embeddings as float
+  at::Tensor embeddings;  // the rows the kernels read: given, or given scaled to unit length
+  at::Tensor labels;
+
+ private:
+  at::Tensor unit_rows(const at::Tensor& x) const {
+    at::Tensor out = at::empty_like(x);
+    if (x.numel() > 0) {
+      C10_CUDA_CHECK(launch_unit_rows(x.data_ptr<float>(), x.size(0), x.size(1),
+                                      out.data_ptr<float>(), stream));
+    }
+    return out;
+  }
 };
 
 // batch_hard's large batches: (positive, negative) [2, batch] and valid per anchor from the
@@ -300,9 +323,9 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
   } else {
-    out = batch_all_gradient_by_chunks(call, plan, up, margin, eps);
+    out = batch_all_gradient_by_chunks(call, plan, up, margin, eps).to(at::kFloat);
   }
-  return out.to(embeddings_in.scalar_type());
+  return call.given_gradient(out).to(embeddings_in.scalar_type());
 }
 
 // The ops through the dispatcher: under torch.compile and fake tensors the calls below autograd

@@ -376,7 +376,9 @@ def test_ops_opcheck():
     cases = ([(m, r, 1e-6, (0, 0, 0, 0, 0.0)) for m in (0, 1) for r in (0, 1, 2)]
              + [(0, 1, 0.0, (1, 1, 1, 0, 0.0)), (0, 0, 0.0, (0, 0, 2, 0, 0.0)),
                 (1, 1, 0.0, (1, 1, 3, 3, 0.3)), (1, 0, 0.0, (0, 0, 2, 4, 0.1)),
-                (2, 1, 1e-6, (0, 0, 0, 0, 0.0)), (2, 0, 0.0, (1, 0, 0, 0, 0.0))])
+                (2, 1, 1e-6, (0, 0, 0, 0, 0.0)), (2, 0, 0.0, (1, 0, 0, 0, 0.0)),
+                (0, 1, 0.0, (3, 0, 1, 0, 0.0)), (1, 1, 0.0, (2, 1, 2, 1, 0.2)),
+                (2, 2, 0.0, (3, 0, 0, 0, 0.0))])
     for mining, reduction, eps, rule in cases:
         torch.library.opcheck(ops.mined_triplet_loss, (x.clone().requires_grad_(True), labels,
                                                        mining, 0.5, eps, reduction, False, *rule))
@@ -386,6 +388,32 @@ def test_ops_opcheck():
         torch.library.opcheck(ops.mined_triplet_loss_backward,
                               (grad, x, labels, count, state, mining, 0.5, eps, reduction, True,
                                *rule))
+
+
+@requires_cuda
+@pytest.mark.parametrize("mining", [0, 1, 2])
+@pytest.mark.parametrize("unit_distance,distance", [(2, 0), (3, 1)])
+def test_unit_rows_are_the_libraries_normalisation(mining, unit_distance, distance):
+    # Distances 2 and 3 scale the rows to unit length inside the op: the value and gradient of
+    # distances 0 and 1 on rows that torch scales (x / max(|x|, 1e-12)), with a zero row (in a
+    # class of its own: its distances to unit rows tie) and one below the floor.
+    x, labels = labelled_batch(64, 24, 6, dtype=torch.float32, device="cuda", seed=3)
+    x[5], x[9], labels[5] = 0.0, x[9] * 1e-14, 1000
+    ops = torch.ops.fused_triplet
+
+    def loss(rows, code):
+        return ops.mined_triplet_loss(rows, labels, mining, 0.3, 0.0, 1, False, code, 0, 0, 0,
+                                      0.0)[0]
+
+    e = x.clone().requires_grad_(True)
+    got = loss(e, unit_distance)
+    (got_grad,) = torch.autograd.grad(got, e)
+    e = x.clone().requires_grad_(True)
+    want = loss(e / e.norm(dim=1, keepdim=True).clamp_min(1e-12), distance)
+    (want_grad,) = torch.autograd.grad(want, e)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-4, atol=1e-5 * want_grad.abs().max())
+    assert want_grad[9].abs().max() > 0  # below the floor the gradient is g / 1e-12
 
 
 @requires_cuda
@@ -476,8 +504,11 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
         lambda: ops.mined_triplet_loss(x.to(torch.float8_e4m3fn), labels, 1, 0.5, 1e-6, 1),
         lambda: ops.mined_triplet_loss(x, labels, 3, 0.5, 1e-6, 1),
         lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 0.0, 1, False, 0, 1),  # semi_hard soft
-        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 2),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 4),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, -1),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 1),  # eps with d^2/2
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 2),  # eps, unit rows
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, False, 3),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 2),
         lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 0.0, 1, False, 0, 0, 1),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 0, 3),
