@@ -5,18 +5,19 @@ distances a backward needs); 'mean'/'sum' add one tiny deterministic reduction k
 backward kernel reads them once more and writes the gradients. Eager PyTorch instead
 materialises `x1 - x2 + eps` (B x D) for each distance.
 
-Layout of this file: kernel sources -> build -> op registration (fake kernels) -> torch path ->
-argument handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-batch
-mining (mined_triplet_margin_loss, MinedTripletMarginLoss; one op per loss on CUDA, a chunked
-torch reference elsewhere) -> drop-ins for sentence-transformers' and pytorch-metric-learning's
+Layout of this file: kernel sources -> build -> op registration (fake kernels) -> argument
+handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-batch mining
+(mined_triplet_margin_loss, MinedTripletMarginLoss; one op per loss on CUDA, a chunked torch
+reference elsewhere) -> drop-ins for sentence-transformers' and pytorch-metric-learning's
 triplet losses (on the mined op where it computes them, their formulas in torch elsewhere) and
-gather_across_ranks -> export -> command line.
+gather_across_ranks -> export (this file with its sources inlined, or the KernelBench file from
+kernels/kernelbench_model.py and the first two sections) -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
 CUDA inputs of a floating dtype go to the fused kernels (forward and backward); everything
 else (CPU tensors, integer or complex dtypes, 0-d inputs, shapes that broadcast unusually)
-takes a pure-torch path that computes exactly what torch does.
+goes to torch's own triplet_margin_loss.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import inspect
 import math
 import os
 import sys
-import warnings
 
 import torch
 from torch import Tensor
+from torch.nn import _reduction as _torch_reduction
 
 __version__ = "0.1.0"
 __all__ = ["triplet_margin_loss", "TripletMarginLoss", "mined_triplet_margin_loss",
@@ -46,13 +47,17 @@ __all__ = ["triplet_margin_loss", "TripletMarginLoss", "mined_triplet_margin_los
 # ---------------------------------------------------------------------------------------------
 
 
-def _read_kernel_sources() -> dict:
-    """{file name: text} for the files of kernels/ beside this file (or
-    fused_triplet_kernels/, as pip installs them); {} if neither is there (the CPU path still
-    works; build() says what to do)."""
+def _kernel_folder() -> str | None:
+    """kernels/ beside this file (or fused_triplet_kernels/, as pip installs it), if there."""
     here = os.path.dirname(os.path.abspath(__file__))
     folders = [os.path.join(here, name) for name in ("kernels", "fused_triplet_kernels")]
-    folder = next((f for f in folders if os.path.isdir(f)), None)
+    return next((f for f in folders if os.path.isdir(f)), None)
+
+
+def _read_kernel_sources() -> dict:
+    """{file name: text} for the sources of the kernel folder; {} if there is none (the CPU path
+    still works; build() says what to do)."""
+    folder = _kernel_folder()
     if folder is None:
         return {}
     names = sorted(f for f in os.listdir(folder) if f.endswith((".h", ".cuh", ".cu", ".cpp")))
@@ -64,9 +69,6 @@ def _read_kernel_sources() -> dict:
 
 
 KERNEL_SOURCES = _read_kernel_sources()
-# The KernelBench file (export(path, kernelbench=True)) sets this: its kernels are the float32
-# forward for p = 2 without swap, and every other call takes the torch path.
-KERNELBENCH = False
 
 
 def _expand(name: str) -> str:
@@ -98,9 +100,9 @@ def cpp_source() -> str:
 # ---------------------------------------------------------------------------------------------
 
 CXX_FLAGS = ["-O2"]
-# A first build on 2 cores for one architecture (the library's: the host compiler's pass over
-# torch's headers takes most of it; the KernelBench file compiles none).
-BUILD_TIME = "about 8 s" if KERNELBENCH else "about 30 s"
+# A first build on 2 cores for one architecture (the host compiler's pass over torch's headers
+# takes most of it).
+BUILD_TIME = "about 30 s"
 _library_path = None
 
 
@@ -245,8 +247,7 @@ def build(verbose: bool = False) -> str:
     if marker and os.path.exists(marker) and os.path.exists(library):
         # Built before for these sources and this torch: load it directly (no toolkit needed,
         # none of load_inline's checks).
-        if not KERNELBENCH:  # the KernelBench file's library registers no ops (ctypes loads it)
-            torch.ops.load_library(library)
+        torch.ops.load_library(library)
         return _finish_loading(library)
     cpp_extension = _cpp_extension(verbose) if KERNEL_SOURCES else None
     problem = _build_problem(cpp_extension)
@@ -287,77 +288,11 @@ build._dynamo_marked_constant = True
 
 
 def _finish_loading(path: str) -> str:
-    global _library_path, _kernelbench_forward_entry
+    global _library_path
     if _library_path is None:  # set first: a concurrent first call must not register twice
-        if KERNELBENCH:
-            _kernelbench_forward_entry = _kernelbench_entry(path)
         _library_path = path
-        if not KERNELBENCH:
-            _register_python_parts()
+        _after_load(path)  # what the module holding this section does with its library
     return path
-
-
-# The KernelBench file's forward: kernels/kernelbench_entry.cu's C function, through ctypes.
-_kernelbench_forward_entry = None
-# The workspace each problem's plan asked for (device, rows, dim, strides, reduction: bytes), so
-# that a repeated problem makes one call: KernelBench's timing sees a call's host time once it
-# outlasts the L2 flush before it.
-_kernelbench_workspace = {}
-
-
-def _kernelbench_entry(path: str):
-    import ctypes
-
-    library = ctypes.CDLL(path)
-    entry = library.fused_triplet_kernelbench_forward
-    pointer, i64, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    entry.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, i64, f64, f64, i64,
-                      pointer, pointer, pointer, ctypes.POINTER(i64), pointer]
-    entry.restype = ctypes.c_int
-    library.fused_triplet_kernelbench_error.argtypes = [ctypes.c_int]
-    library.fused_triplet_kernelbench_error.restype = ctypes.c_char_p
-    entry.error = library.fused_triplet_kernelbench_error
-    return entry
-
-
-def _kernelbench_forward(anchor: Tensor, positive: Tensor, negative: Tensor, margin: float,
-                         eps: float, reduction: int) -> Tensor:
-    """The KernelBench file's fused forward on inputs _kernelbench_takes() took (float32, p = 2,
-    no swap, one shape on one CUDA device), as the library's op computes it."""
-    import ctypes
-
-    build()
-    batch, dim = anchor.shape[:-1], anchor.shape[-1]
-    rows = math.prod(batch)
-    loss = anchor.new_empty(batch if reduction == 0 else ())
-    if rows == 0:  # torch: the mean of nothing is nan, the sum of nothing 0
-        return loss.fill_(math.nan) if reduction == 1 else loss.zero_()
-    # (rows, dim) views with unit element stride (a broadcast row keeps row stride 0)
-    views = (anchor, positive, negative)
-    if len(batch) != 1:
-        views = tuple(x.reshape(rows, dim) for x in views)
-    if dim > 1 and not views[0].stride(1) == views[1].stride(1) == views[2].stride(1) == 1:
-        views = tuple(v.contiguous() if v.stride(1) != 1 else v for v in views)
-    dists = anchor.new_empty((2, rows))
-    strides = tuple(v.stride(0) for v in views)
-    key = (anchor.device, rows, dim, strides, reduction)
-    need = ctypes.c_int64(_kernelbench_workspace.get(key, 0))
-    with torch.cuda.device(anchor.device):
-        stream = torch.cuda.current_stream().cuda_stream
-        args = [*(v.data_ptr() for v in views), *strides, rows, dim, float(margin), float(eps),
-                reduction, loss.data_ptr(), dists.data_ptr()]
-        for _ in range(2):  # the first call of a problem learns its plan's workspace
-            workspace = torch.empty(need.value, dtype=torch.uint8, device=anchor.device)
-            code = _kernelbench_forward_entry(*args, workspace.data_ptr(), ctypes.byref(need),
-                                              stream)
-            if code != -1:
-                break
-            _kernelbench_workspace[key] = need.value
-    if code != 0:
-        what = ("the kernels do not take this problem" if code < 0
-                else _kernelbench_forward_entry.error(code).decode())
-        raise RuntimeError(f"fused_triplet (KernelBench file): {what}")
-    return loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,7 +358,8 @@ _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once 
 _MINING_WHOLE_ROWS = []  # per mining, the largest batch its kernels keep whole (from the plan)
 
 
-def _register_python_parts() -> None:
+def _after_load(path: str) -> None:
+    """The Python parts of the ops, once their library is loaded."""
     global _TRIPLET_OP
     torch.ops.fused_triplet.set_hinge_at_zero(_hinge_passes_at_zero())  # the C++ side keeps it
     _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
@@ -443,67 +379,18 @@ def _ops():
 
 
 # ---------------------------------------------------------------------------------------------
-# The torch path: exactly ATen's triplet_margin_loss (CompositeImplicitAutograd), in torch ops.
-# Used for CPU tensors and every input the kernels do not take; autograd works through it.
+# Argument handling, as torch's functional triplet_margin_loss does it (torch's own helpers where
+# it has them); inputs the kernels do not take go to torch's triplet_margin_loss itself.
 # ---------------------------------------------------------------------------------------------
 
-
-def _pairwise_distance(x1: Tensor, x2: Tensor, p: float, eps: float) -> Tensor:
-    innermost_dim = max(x1.dim(), x2.dim()) - 1  # as ATen writes it (-1 for 0-d inputs)
-    return torch.linalg.vector_norm(x1 - x2 + eps, p, dim=innermost_dim)
-
-
-def _torch_triplet_margin_loss(anchor, positive, negative, margin, p, eps, swap, reduction):
-    if not anchor.dim() == positive.dim() == negative.dim():
-        raise RuntimeError(
-            "The anchor, positive, and negative tensors are expected to have the same number of "
-            f"dimensions, but got: anchor {anchor.dim()}D, positive {positive.dim()}D, and "
-            f"negative {negative.dim()}D inputs")
-    dist_pos = _pairwise_distance(anchor, positive, p, eps)
-    dist_neg = _pairwise_distance(anchor, negative, p, eps)
-    if swap:
-        dist_neg = dist_neg.minimum(_pairwise_distance(positive, negative, p, eps))
-    loss = (margin + dist_pos - dist_neg).clamp_min(0)
-    if reduction == _MEAN:
-        return loss.mean()
-    if reduction == _SUM:
-        return loss.sum()
-    return loss
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument handling, as torch's functional triplet_margin_loss does it.
-# ---------------------------------------------------------------------------------------------
-
-_NONE, _MEAN, _SUM = 0, 1, 2
+_NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction's values, as the ops take them
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_AUTOCAST_CAST = (torch.float16, torch.bfloat16)  # what CUDA autocast casts to float32
-
-
-def _legacy_reduction(size_average, reduce) -> str:
-    """The deprecated size_average/reduce pair as a reduction name (None counts as True)."""
-    size_average = True if size_average is None else size_average
-    reduce = True if reduce is None else reduce
-    name = "mean" if (size_average and reduce) else ("sum" if reduce else "none")
-    warnings.warn(f"size_average and reduce args will be deprecated, please use reduction='{name}' "
-                  "instead.", stacklevel=3)
-    return name
 
 
 def _reduction_enum(size_average, reduce, reduction) -> int:
     if size_average is not None or reduce is not None:
-        reduction = _legacy_reduction(size_average, reduce)
-    if reduction == "none":
-        return _NONE
-    if reduction == "mean":
-        return _MEAN
-    if reduction == "elementwise_mean":
-        warnings.warn("reduction='elementwise_mean' is deprecated. Please use reduction='mean' "
-                      "instead.", stacklevel=3)
-        return _MEAN
-    if reduction == "sum":
-        return _SUM
-    raise ValueError(f"{reduction} is not a valid value for reduction")
+        reduction = _torch_reduction.legacy_get_string(size_average, reduce)
+    return _torch_reduction.get_enum(reduction)  # torch's ValueError and deprecation warning
 
 
 def _type_name(value) -> str:
@@ -542,50 +429,19 @@ def _check_tensors(anchor, positive, negative) -> None:
                             f"be Tensor, not {type(value).__name__}")
 
 
-def _broadcast_shape(a: tuple, b: tuple):
-    """torch's broadcast of two equal-rank shapes, or None where they do not broadcast."""
-    out = []
-    for x, y in zip(a, b):
-        if x != y and x != 1 and y != 1:
-            return None
-        out.append(y if x == 1 else x)
-    return tuple(out)
-
-
-def _kernelbench_takes(anchor: Tensor, positive: Tensor, negative: Tensor, p: float,
-                       swap: bool) -> bool:
-    """What the KernelBench file's kernels compute: float32 forwards for p = 2 without swap."""
-    grads = torch.is_grad_enabled() and (anchor.requires_grad or positive.requires_grad
-                                         or negative.requires_grad)
-    return (anchor.dtype == positive.dtype == negative.dtype == torch.float32 and p == 2.0
-            and not swap and not grads)
-
-
-def _fused_shape(anchor: Tensor, positive: Tensor, negative: Tensor, p: float,
-                 swap: bool = False):
+def _fused_shape(anchor: Tensor, positive: Tensor, negative: Tensor, p: float):
     """The common shape the fused kernels would compute over, or None if they don't take these
-    inputs (the torch path then computes them, or raises torch's own error)."""
-    if not anchor.is_cuda:
+    inputs (torch's own function then computes them, or raises its error)."""
+    inputs = (anchor, positive, negative)
+    if not (anchor.is_cuda and all(x.device == anchor.device for x in inputs)
+            and all(x.dtype in _FUSED_DTYPES for x in inputs)
+            and anchor.dim() == positive.dim() == negative.dim() > 0):
         return None
-    if KERNELBENCH and not _kernelbench_takes(anchor, positive, negative, p, swap):
+    try:
+        shape = torch.broadcast_shapes(anchor.shape, positive.shape, negative.shape)
+    except RuntimeError:  # torch's own call raises its error
         return None
-    device = anchor.device
-    if positive.device != device or negative.device != device:
-        return None
-    if not (anchor.dtype in _FUSED_DTYPES and positive.dtype in _FUSED_DTYPES
-            and negative.dtype in _FUSED_DTYPES):
-        return None
-    shape = anchor.shape
-    if not shape == positive.shape == negative.shape:
-        if not anchor.dim() == positive.dim() == negative.dim():
-            return None
-        shape = _broadcast_shape(tuple(shape), tuple(positive.shape))
-        shape = shape and _broadcast_shape(shape, tuple(negative.shape))
-        if shape is None:
-            return None
-    if len(shape) == 0 or (shape[-1] == 0 and math.isinf(p)):
-        return None
-    return tuple(shape)
+    return None if shape[-1] == 0 and math.isinf(p) else tuple(shape)
 
 
 def _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps, swap, reduction):
@@ -599,8 +455,6 @@ def _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps
     if not anchor.shape == positive.shape == negative.shape:
         # views: a broadcast row becomes row stride 0 in the kernel
         inputs = tuple(x.expand(shape) for x in inputs)
-    if KERNELBENCH:
-        return _kernelbench_forward(*inputs, margin, eps, reduction)
     args = (*inputs, float(margin), float(p), float(eps), bool(swap), reduction)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             anchor.requires_grad or positive.requires_grad or negative.requires_grad)):
@@ -627,16 +481,13 @@ def triplet_margin_loss(anchor: Tensor, positive: Tensor, negative: Tensor, marg
         raise ValueError(f"margin must be greater than 0, got {margin}")
     _check_tensors(anchor, positive, negative)
     _check_options(margin, p, eps, swap)
-    shape = _fused_shape(anchor, positive, negative, float(p), bool(swap))
+    shape = _fused_shape(anchor, positive, negative, float(p))
     if shape is not None:
         return _fused_triplet_margin_loss(anchor, positive, negative, shape, margin, p, eps, swap,
                                           reduction_enum)
-    if anchor.is_cuda and torch.is_autocast_enabled("cuda"):
-        # autocast runs torch's op in float32: its inputs are cast first
-        anchor, positive, negative = (x.float() if x.dtype in _AUTOCAST_CAST else x
-                                      for x in (anchor, positive, negative))
-    return _torch_triplet_margin_loss(anchor, positive, negative, margin, p, eps, swap,
-                                      reduction_enum)
+    return torch.nn.functional.triplet_margin_loss(
+        anchor, positive, negative, margin, p, eps, swap,
+        reduction=("none", "mean", "sum")[reduction_enum])
 
 
 class TripletMarginLoss(torch.nn.Module):
@@ -648,7 +499,7 @@ class TripletMarginLoss(torch.nn.Module):
                  size_average=None, reduce=None, reduction: str = "mean") -> None:
         super().__init__()
         if size_average is not None or reduce is not None:
-            reduction = _legacy_reduction(size_average, reduce)
+            reduction = _torch_reduction.legacy_get_string(size_average, reduce)
         if margin <= 0:
             raise ValueError(
                 f"TripletMarginLoss: expected margin to be greater than 0, got {margin} instead")
@@ -721,7 +572,7 @@ def _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction) 
 
 def _mining_takes(embeddings: Tensor, p: float) -> bool:
     """Whether the mining kernels take these embeddings (else the torch reference runs)."""
-    return (embeddings.is_cuda and not KERNELBENCH and p == 2.0
+    return (embeddings.is_cuda and p == 2.0
             and embeddings.dtype in _MINING_DTYPES and embeddings.numel() > 0)
 
 
@@ -732,7 +583,7 @@ def _row_chunks(batch: int, per_row: int):
 
 def _distances_from(x: Tensor, start: int, stop: int, p: float, eps: float) -> Tensor:
     """torch's pairwise_distance of rows start:stop of x to every row: (stop - start, batch)."""
-    return _pairwise_distance(x[start:stop, None, :], x[None, :, :], p, eps)
+    return torch.pairwise_distance(x[start:stop, None, :], x[None, :, :], p, eps)
 
 
 def _label_masks(labels: Tensor, ref_labels: Tensor, first: int | None) -> tuple:
@@ -887,11 +738,6 @@ class MinedTripletMarginLoss(torch.nn.Module):
 _PAIR_CHUNK_ELEMENTS = 1 << 22  # (pairs x batch) per chunk of the pair losses: 16 MiB of float
 
 
-def _normalized(x: Tensor) -> Tensor:
-    """x / max(|x|, 1e-12) per row, as the libraries normalise embeddings."""
-    return x / x.norm(2, dim=1, keepdim=True).clamp_min(1e-12).expand_as(x)
-
-
 def _st_euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
     """sentence-transformers' euclidean distances: from the Gram matrix (2-byte embeddings in
     float32, autocast off), negative squares set to 0; a distance of exactly 0 has gradient 0."""
@@ -910,7 +756,7 @@ def _st_euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
 
 def _st_cosine_distance(embeddings: Tensor) -> Tensor:
     """sentence-transformers' cosine distances: 1 - cos, clamped at 0, the diagonal 0."""
-    x = _normalized(embeddings)
+    x = torch.nn.functional.normalize(embeddings, dim=1)
     distances = (1 - x @ x.t()).clamp_min(0.0)
     return distances.masked_fill(torch.eye(len(x), dtype=torch.bool, device=x.device), 0.0)
 
@@ -944,13 +790,8 @@ def _pair_chunks(positives: Tensor):
     return [(anchors[s:s + step], refs[s:s + step]) for s in range(0, len(anchors), step)]
 
 
-def _softplus(x: Tensor) -> Tensor:
-    """torch's softplus (beta 1, threshold 20), exp kept finite where it is not taken."""
-    return torch.where(x > 20, x, x.clamp_max(20).exp().log1p())
-
-
 def _hinge(x: Tensor, smooth: bool) -> Tensor:
-    return _softplus(x) if smooth else x.relu()
+    return torch.nn.functional.softplus(x) if smooth else x.relu()
 
 
 class _SentenceTransformersTripletLoss(torch.nn.Module):
@@ -1042,7 +883,7 @@ class BatchHardSoftMarginTripletLoss(_SentenceTransformersTripletLoss):
 
     def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
         positive, negative = _st_hardest(d, labels)
-        return _softplus(positive - negative).mean()
+        return torch.nn.functional.softplus(positive - negative).mean()
 
 
 class BatchAllTripletLoss(_SentenceTransformersTripletLoss):
@@ -1151,12 +992,13 @@ def _pml_settings(loss_func, miner) -> dict:
 def _pml_values(x: Tensor, refs: Tensor, normalises: bool, similarity: bool) -> Tensor:
     """The library's distance matrix as distances: larger is farther (a similarity negated)."""
     if normalises:
-        x, refs = _normalized(x), (_normalized(refs) if refs is not x else None)
-        refs = x if refs is None else refs
+        same = refs is x
+        x = torch.nn.functional.normalize(x, dim=1)
+        refs = x if same else torch.nn.functional.normalize(refs, dim=1)
     if similarity:
         return -(x @ refs.t())
     if x.dtype == torch.float16:  # the library's float16 route: torch's pairwise_distance
-        return torch.stack([_pairwise_distance(row.expand_as(refs), refs, 2.0, 1e-6)
+        return torch.stack([torch.pairwise_distance(row.expand_as(refs), refs, 2.0, 1e-6)
                             for row in x])
     return torch.cdist(x, refs, p=2)
 
@@ -1268,51 +1110,61 @@ def _python_literal(text: str) -> str:
     return repr(text)
 
 
-def _kernelbench_source(name: str, text: str) -> str:
-    """A kernel source as the KernelBench file holds it: without its library-only lines
-    (`... // library-only`) and blocks (`// library-only {` to `// library-only }`), with its
-    `// kernelbench-only: ` lines as code."""
+_SECOND_FILE_ONLY = "// kernelbench-only: "  # a line of code the KernelBench file alone holds
+
+
+def _forward_only(name: str, text: str) -> str:
+    """A kernel source without its library-only lines (`... // library-only`) and blocks
+    (`// library-only {` to `// library-only }`), with its _SECOND_FILE_ONLY lines as code."""
     out, skipping = [], False
     for line in text.splitlines():
         marker = line.strip()
         if marker in ("// library-only {", "// library-only }"):
             assert skipping == marker.endswith("}"), f"{name}: unbalanced library-only block"
             skipping = not skipping
-        elif marker.startswith("// kernelbench-only: ") and not skipping:
-            out.append(line[:len(line) - len(line.lstrip())] + marker[len("// kernelbench-only: "):])
+        elif marker.startswith(_SECOND_FILE_ONLY) and not skipping:
+            out.append(line[:len(line) - len(line.lstrip())] + marker[len(_SECOND_FILE_ONLY):])
         elif not skipping and not line.rstrip().endswith("// library-only"):
             out.append(line)
     assert not skipping, f"{name}: unclosed library-only block"
     return "\n".join(out) + "\n"
 
 
-KERNELBENCH_NOTE = """
-KernelBench file (level 1 problem 99's ModelNew): its kernels are the float32 forward for
-p = 2 without swap, called through ctypes (its build compiles no torch headers); every other
-call (other dtypes or p, swap, gradients) takes the torch path, correct but not fused.
-`python fused_triplet.py --export PATH` writes the whole library.
-"""
+_BANNER = "# " + "-" * 93 + "\n"
+_TEMPLATE = "kernelbench_model.py"  # the KernelBench file's own part, in the kernel folder
+
+
+def _with_sources(text: str, sources: dict) -> str:
+    """text with its `KERNEL_SOURCES = ...` statement (a call here, a dict literal in an export)
+    replaced by the sources as a dict literal."""
+    start = text.index("\nKERNEL_SOURCES = ") + 1
+    end = text.index("\n", start) + 1
+    if text.startswith("KERNEL_SOURCES = {\n", start):
+        end = text.index("\n}\n", start) + 3
+    inline = "".join(f"    {name!r}: {_python_literal(code)},\n" for name, code in sources.items())
+    return text[:start] + "KERNEL_SOURCES = {\n" + inline + "}\n" + text[end:]
 
 
 def export(path: str, kernelbench: bool = False) -> str:
     """Write the library as one self-contained Python file at `path`; returns `path`. With
-    kernelbench=True, the KernelBench file: the float32 forward kernels problem 99 reaches, no
-    other dtype's code, a build of seconds."""
+    kernelbench=True, the KernelBench file instead: its template (kernels/kernelbench_model.py)
+    with this module's kernel sources and build sections, and only the float32 forward kernels
+    problem 99 reaches (a build of seconds)."""
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
-        lines = f.read().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.startswith("KERNEL_SOURCES = "))
-    end = start + 1  # the statement: one line in the package, a dict literal in an export
-    if lines[start] == "KERNEL_SOURCES = {\n":
-        end = lines.index("}\n", start) + 1
-    sources = {name: _kernelbench_source(name, text) if kernelbench else text
-               for name, text in KERNEL_SOURCES.items()}
-    inline = "".join(f"    {name!r}: {_python_literal(text)},\n" for name, text in sources.items())
-    lines[start:end] = ["KERNEL_SOURCES = {\n" + inline + "}\n"]
+        text = f.read()
+    sources = KERNEL_SOURCES
     if kernelbench:
-        lines[lines.index("KERNELBENCH = False\n")] = "KERNELBENCH = True\n"
-        lines.insert(1, KERNELBENCH_NOTE)
+        template = os.path.join(_kernel_folder() or "kernels", _TEMPLATE)
+        if not os.path.exists(template):
+            raise FileNotFoundError(f"fused_triplet: the KernelBench template {template} is "
+                                    "missing (export it from the project or the package)")
+        first = text.index(_BANNER + "# Kernel sources")
+        library = text[first:text.index(_BANNER + "# Op registration")]
+        with open(template, encoding="utf-8") as f:
+            text = f.read().replace("# @@ the library's kernel sources and build @@\n", library)
+        sources = {name: _forward_only(name, code) for name, code in sources.items()}
     with open(path, "w", encoding="utf-8") as f:
-        f.write("".join(lines))
+        f.write(_with_sources(text, sources))
     return path
 
 
@@ -1340,7 +1192,11 @@ def _main(argv=None) -> int:
             print(f"fused_triplet: cannot write {args.export}: its folder does not exist",
                   file=sys.stderr)
             return 1
-        print(export(args.export, kernelbench=args.kernelbench))
+        try:
+            print(export(args.export, kernelbench=args.kernelbench))
+        except FileNotFoundError as error:
+            print(error, file=sys.stderr)
+            return 1
     if args.build:
         problem = _build_problem()
         if problem:

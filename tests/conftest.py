@@ -66,7 +66,7 @@ def distance_scale(a, p, n, pnorm=2.0, eps=1e-6, swap=False):
     import fused_triplet as ft
     a, p, n = a.double(), p.double(), n.double()
     pairs = ((a, p), (a, n), (p, n)) if swap else ((a, p), (a, n))
-    return 1 + sum(ft._pairwise_distance(x, y, pnorm, eps).abs() for x, y in pairs)
+    return 1 + sum(torch.pairwise_distance(x, y, pnorm, eps).abs() for x, y in pairs)
 
 
 def assert_as_accurate_as_torch(ours, theirs, ref, scale=None, slack=2.0, floor=1e-6):

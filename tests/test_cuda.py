@@ -25,8 +25,8 @@ def poison_allocator():
 
 def fp64_losses(a, p, n, margin=1.0, pnorm=2.0, eps=1e-6, swap=False):
     """Per-sample losses in float64 from the (exactly upcast) inputs."""
-    return ft._torch_triplet_margin_loss(a.double(), p.double(), n.double(), margin, pnorm, eps,
-                                         swap, 0)
+    return torch.nn.functional.triplet_margin_loss(a.double(), p.double(), n.double(), margin,
+                                                   pnorm, eps, swap, reduction="none")
 
 
 def fused(*args, **kw):
@@ -66,7 +66,7 @@ def test_every_p(pnorm, swap, shape):
         # The loss is a difference of two distances: fp32 rounding scales with their size
         # (p = 0.5 squares a sum of thousands of terms), so the bound does too.
         a64, p64, n64 = a.double(), p.double(), n.double()
-        dists = [ft._pairwise_distance(x, y, pnorm, 1e-6) for x, y in ((a64, p64), (a64, n64), (p64, n64))]
+        dists = [torch.pairwise_distance(x, y, pnorm, 1e-6) for x, y in ((a64, p64), (a64, n64), (p64, n64))]
         bound = 1e-5 * (1 + sum(d.abs() for d in dists))
         assert ((ours - ref).abs() <= bound).all(), ((ours - ref).abs() / bound).max()
         theirs = F.triplet_margin_loss(a, p, n, **kw).double()

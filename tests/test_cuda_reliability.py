@@ -34,8 +34,8 @@ def test_more_than_2_31_elements_per_tensor(dim):
     theirs = torch.empty(rows, dtype=torch.float32, device=DEV)
     for lo in range(0, rows, 2048):  # float64 reference and torch's fp32, in chunks
         sl = slice(lo, lo + 2048)
-        ref[sl] = ft._torch_triplet_margin_loss(a[sl].double(), p[sl].double(), n[sl].double(),
-                                                1.0, 2.0, 1e-6, False, 0)
+        ref[sl] = F.triplet_margin_loss(a[sl].double(), p[sl].double(), n[sl].double(),
+                                        reduction="none")
         scale[sl] = distance_scale(a[sl], p[sl], n[sl])
         theirs[sl] = F.triplet_margin_loss(a[sl], p[sl], n[sl], reduction="none")
     # Distances are ~100 here (fp32 ulp ~8e-6) and the loss 1 + their difference: compare
@@ -61,7 +61,7 @@ def test_backward_more_than_2_31_elements_per_tensor(dim):
     for lo in (0, rows // 2, rows - 512):
         sl = slice(lo, lo + 512)
         exact = [x[sl].detach().double().requires_grad_() for x in (a, p, n)]
-        (ft._torch_triplet_margin_loss(*exact, 1.0, 2.0, 1e-6, True, 2) / rows).backward()
+        (F.triplet_margin_loss(*exact, swap=True, reduction="sum") / rows).backward()
         theirs = [x[sl].detach().clone().requires_grad_() for x in (a, p, n)]
         (F.triplet_margin_loss(*theirs, swap=True, reduction="sum") / rows).backward()
         for x, t, r in zip((a, p, n), theirs, exact):

@@ -60,9 +60,9 @@ def make_case(rng: random.Random, device: str):
 
 def fp64_bound(a, p, n, opts):
     a, p, n = a.double(), p.double(), n.double()
-    d = [ft._pairwise_distance(x, y, opts["p"], opts["eps"]) for x, y in ((a, p), (a, n), (p, n))]
-    losses = ft._torch_triplet_margin_loss(a, p, n, opts["margin"], opts["p"], opts["eps"],
-                                           opts["swap"], 0)
+    d = [torch.pairwise_distance(x, y, opts["p"], opts["eps"]) for x, y in ((a, p), (a, n), (p, n))]
+    losses = F.triplet_margin_loss(a, p, n, opts["margin"], opts["p"], opts["eps"], opts["swap"],
+                                   reduction="none")
     scale = 1 + sum(x.abs() for x in d)
     return losses, scale
 
@@ -109,10 +109,10 @@ def check_backward(inputs, opts):
     backward(F.triplet_margin_loss(*refs, **opts))
     _, scale = fp64_bound(*inputs, {**opts, "reduction": "none"})
     a64, p64, n64 = (x.detach().double() for x in inputs)
-    d_ap = ft._pairwise_distance(a64, p64, opts["p"], opts["eps"])
-    d_an = ft._pairwise_distance(a64, n64, opts["p"], opts["eps"])
+    d_ap = torch.pairwise_distance(a64, p64, opts["p"], opts["eps"])
+    d_an = torch.pairwise_distance(a64, n64, opts["p"], opts["eps"])
     if opts["swap"]:
-        d_an = d_an.minimum(ft._pairwise_distance(p64, n64, opts["p"], opts["eps"]))
+        d_an = d_an.minimum(torch.pairwise_distance(p64, n64, opts["p"], opts["eps"]))
     decisive = ((opts["margin"] + d_ap - d_an).abs() > 1e-3 * scale).reshape(-1)
     tol = 1e-4 if inputs[0].dtype == torch.float32 else 1e-9
     # torch's own gradients at the input dtype: for p < 2 the element derivative |u|^(p-1) is

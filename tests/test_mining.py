@@ -223,7 +223,7 @@ def test_batch_all_matches_pytorch_metric_learning(seed):
 def every_triplet(x, labels, margin, eps=1e-6):
     """batch_all as users write it, every (i, j, k) of a B x B x B tensor: (per-anchor losses,
     the count of those > 0)."""
-    d = ft._pairwise_distance(x[:, None, :], x[None, :, :], 2.0, eps)
+    d = torch.pairwise_distance(x[:, None, :], x[None, :, :], 2.0, eps)
     same = labels[:, None] == labels[None, :]
     positive = same & ~torch.eye(len(labels), dtype=torch.bool, device=x.device)
     triplets = positive[:, :, None] & ~same[:, None, :]
