@@ -1158,7 +1158,7 @@ def _with_sources(text: str, sources: dict) -> str:
 def export(path: str, kernelbench: bool = False) -> str:
     """Write the library as one self-contained Python file at `path`; returns `path`. With
     kernelbench=True, the KernelBench file instead: its template (kernels/kernelbench_model.py)
-    with this module's kernel sources and build sections, and only the float32 forward kernels
+    with this module's kernel sources, build and ModelNew, and only the float32 forward kernels
     problem 99 reaches (a build of seconds)."""
     with open(os.path.abspath(__file__), encoding="utf-8") as f:
         text = f.read()
@@ -1170,8 +1170,10 @@ def export(path: str, kernelbench: bool = False) -> str:
                                     "missing (export it from the project or the package)")
         first = text.index(_BANNER + "# Kernel sources")
         library = text[first:text.index(_BANNER + "# Op registration")]
+        model = text[text.index("class ModelNew("):text.index(_BANNER + "# In-batch mining")]
         with open(template, encoding="utf-8") as f:
-            text = f.read().replace("# @@ the library's kernel sources and build @@\n", library)
+            text = (f.read().replace("# @@ the library's kernel sources and build @@\n", library)
+                    .replace("# @@ the library's ModelNew @@\n", model))
         sources = {name: _forward_only(name, code) for name, code in sources.items()}
     with open(path, "w", encoding="utf-8") as f:
         f.write(_with_sources(text, sources))

@@ -142,7 +142,9 @@ def test_kernelbench_file_is_its_template_with_the_library_build(kernelbench_fil
     text = kernelbench_file.read_text()
     library = open(os.path.join(ROOT, "fused_triplet.py")).read()
     build = library[library.index("def build("):library.index("def _finish_loading(")]
+    model = library[library.index("class ModelNew("):library.index("# In-batch mining")]
     assert text.count(build) == 1 and text.count("def _after_load(") == 1
+    assert text.count(model.rstrip("-# \n")) == 1 and text.count("class ModelNew(") == 1
     assert "mined_triplet" not in strip_comments(text) and "@@" not in text
 
 
