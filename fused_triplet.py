@@ -361,21 +361,28 @@ _MINING_WHOLE_ROWS = []  # per mining, the largest batch its kernels keep whole 
 def _after_load(path: str) -> None:
     """The Python parts of the ops, once their library is loaded."""
     global _TRIPLET_OP
-    torch.ops.fused_triplet.set_hinge_at_zero(_hinge_passes_at_zero())  # the C++ side keeps it
+    internal = torch.ops.fused_triplet_internal
+    internal.set_hinge_at_zero(_hinge_passes_at_zero())  # the C++ side keeps it
     _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
     torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
     torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
         _triplet_backward_fake)
-    torch.library.register_fake("fused_triplet::mine_batch_hard")(_mine_batch_hard_fake)
+    torch.library.register_fake("fused_triplet_internal::mine_batch_hard")(_mine_batch_hard_fake)
     torch.library.register_fake("fused_triplet::mined_triplet_loss")(_mined_loss_fake)
     torch.library.register_fake("fused_triplet::mined_triplet_loss_backward")(
         _mined_loss_backward_fake)
-    _MINING_WHOLE_ROWS[:] = [torch.ops.fused_triplet.mining_whole_rows(m) for m in (0, 1, 2)]
+    _MINING_WHOLE_ROWS[:] = [internal.mining_whole_rows(m) for m in (0, 1, 2)]
 
 
 def _ops():
     build()
     return torch.ops.fused_triplet
+
+
+def _internal_ops():
+    """The library's plumbing and the tests' views of the plans (not ops users call)."""
+    build()
+    return torch.ops.fused_triplet_internal
 
 
 # ---------------------------------------------------------------------------------------------
@@ -719,10 +726,7 @@ class MinedTripletMarginLoss(torch.nn.Module):
         if mining not in _MININGS:
             raise ValueError(
                 f"MinedTripletMarginLoss: mining must be 'batch_hard' or 'batch_all', got {mining!r}")
-        self.mining = mining
-        self.margin = margin
-        self.p = p
-        self.eps = eps
+        self.mining, self.margin, self.p, self.eps = mining, margin, p, eps
         self.reduction = reduction
 
     def forward(self, embeddings: Tensor, labels: Tensor) -> Tensor:

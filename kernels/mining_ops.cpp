@@ -10,6 +10,7 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
@@ -363,15 +364,9 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
                                                      reduction, true, distance, hinge, counting,
                                                      band, band_margin);
     ctx->save_for_backward({embeddings, labels, count, state});
-    ctx->saved_data["mining"] = mining;
-    ctx->saved_data["margin"] = margin;
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["reduction"] = reduction;
-    ctx->saved_data["distance"] = distance;
-    ctx->saved_data["hinge"] = hinge;
-    ctx->saved_data["counting"] = counting;
-    ctx->saved_data["band"] = band;
-    ctx->saved_data["band_margin"] = band_margin;
+    // the options as one record, in the backward op's order
+    ctx->saved_data["options"] = c10::ivalue::Tuple::create(
+        {mining, margin, eps, reduction, distance, hinge, counting, band, band_margin});
     ctx->mark_non_differentiable({count, state});
     ctx->set_materialize_grads(false);  // count and state never get a gradient (no zero fills)
     return {loss, count, state};
@@ -385,13 +380,11 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
                 "fused_triplet mining: the fused backward is not differentiable (create_graph="
                 "True); the float64 or CPU path is");
     const auto saved = ctx->get_saved_variables();
+    const auto& o = ctx->saved_data["options"].toTupleRef().elements();
     out[0] = mined_loss_backward_op().call(
-        grads[0], saved[0], saved[1], saved[2], saved[3], ctx->saved_data["mining"].toInt(),
-        ctx->saved_data["margin"].toDouble(), ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["reduction"].toInt(), hinge_passes_at_zero(),
-        ctx->saved_data["distance"].toInt(), ctx->saved_data["hinge"].toInt(),
-        ctx->saved_data["counting"].toInt(), ctx->saved_data["band"].toInt(),
-        ctx->saved_data["band_margin"].toDouble());
+        grads[0], saved[0], saved[1], saved[2], saved[3], o[0].toInt(), o[1].toDouble(),
+        o[2].toDouble(), o[3].toInt(), hinge_passes_at_zero(), o[4].toInt(), o[5].toInt(),
+        o[6].toInt(), o[7].toInt(), o[8].toDouble());
     return out;
   }
 };
@@ -444,6 +437,9 @@ TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
         "Tensor count, Tensor state, int mining, float margin, float eps, int reduction, "
         "bool hinge_at_zero, int distance=0, int hinge=0, int counting=0, int band=0, "
         "float band_margin=0.) -> Tensor");
+}
+
+TORCH_LIBRARY_FRAGMENT(fused_triplet_internal, m) {
   // The largest batch the plan keeps whole (the fake kernel's shape of batch_all's state).
   m.def("mining_whole_rows(int mining) -> int", &fused_triplet::mining_whole_rows);
   // Tests: batch_hard's large-batch mining alone.
@@ -453,6 +449,9 @@ TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
   m.impl("mined_triplet_loss", &fused_triplet::mined_loss_cuda);
   m.impl("mined_triplet_loss_backward", &fused_triplet::mined_loss_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(fused_triplet_internal, CUDA, m) {
   m.impl("mine_batch_hard", &fused_triplet::mine_batch_hard_cuda);
 }
 

@@ -41,7 +41,7 @@ namespace fused_triplet {
 namespace {
 
 // Whether the installed torch's clamp_min passes the gradient at exactly its bound: probed in
-// Python when the library loads, set through fused_triplet::set_hinge_at_zero.
+// Python when the library loads, set through fused_triplet_internal::set_hinge_at_zero.
 std::atomic<bool> hinge_at_zero{false};
 
 // ---- inputs ----------------------------------------------------------------------------------
@@ -661,6 +661,10 @@ TORCH_LIBRARY(fused_triplet, m) {
       "Tensor negative, Tensor dists, float margin, float p, float eps, bool swap, "
       "int reduction, bool hinge_at_zero, bool[3] output_mask, int family=-1) "
       "-> (Tensor, Tensor, Tensor)");
+}
+
+// The library's own plumbing and the tests' views, apart from the ops users call.
+TORCH_LIBRARY(fused_triplet_internal, m) {
   // Tests: what the plans pick, and what the one pass predicts from.
   m.def(
       "describe_plans(Tensor anchor, Tensor positive, Tensor negative, float p, bool swap, "
@@ -675,6 +679,9 @@ TORCH_LIBRARY(fused_triplet, m) {
 TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
   m.impl("triplet_margin_loss", &fused_triplet::forward_cuda);
   m.impl("triplet_margin_loss_backward", &fused_triplet::backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(fused_triplet_internal, CUDA, m) {
   m.impl("describe_plans", &fused_triplet::describe_plans);
   m.impl("upstream_history", &fused_triplet::upstream_history);
 }

@@ -31,7 +31,7 @@ ops = ft._ops()
 def can_run(xs, pnorm, families):
     """Whether the families asked for take these inputs."""
     try:
-        ops.describe_plans(*xs, pnorm, True, *families)
+        ft._internal_ops().describe_plans(*xs, pnorm, True, *families)
     except RuntimeError:
         return False
     return True

@@ -90,7 +90,7 @@ def test_amp_training_loop_one_pass_same_bits(dtype):
         one = loss_and_grads(fused_loss, inputs, dtype, 65536.0, **kw)
         assert torch.equal(one[0], two[0])
         assert all(torch.equal(g1, g2) for g1, g2 in zip(one[1], two[1]))
-    raw = ft._ops().upstream_history(*inputs, 0.8125, 2.0, 1e-6, True, 1, True).cpu()
+    raw = ft._internal_ops().upstream_history(*inputs, 0.8125, 2.0, 1e-6, True, 1, True).cpu()
     assert raw[0, 0].view(torch.float32).item() == 65536.0 and raw[0, 1].item() == 1
 
 

@@ -339,7 +339,7 @@ def test_raw_ops_take_exactly_the_kernels_dtypes():
         calls = [lambda: ops.triplet_margin_loss(*xs, 1.0, 2.0, 1e-6, False, 1),
                  lambda: ops.triplet_margin_loss_backward(grad, *xs, dists, 1.0, 2.0, 1e-6,
                                                           False, 1, True, [True, True, True]),
-                 lambda: ops.describe_plans(*xs, 2.0, False)]
+                 lambda: ft._internal_ops().describe_plans(*xs, 2.0, False)]
         for call in calls:
             if dtype in kernel_dtypes:
                 xs[:] = [torch.rand((4, 64), device=DEV).to(dtype) for _ in range(3)]

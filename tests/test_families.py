@@ -16,7 +16,7 @@ BACKWARD = {"rows": 0, "pointwise": 1}
 
 
 def plans(a, p, n, pnorm=2.0, swap=False, forward=-1, backward=-1):
-    return ft._ops().describe_plans(a, p, n, pnorm, swap, forward, backward)
+    return ft._internal_ops().describe_plans(a, p, n, pnorm, swap, forward, backward)
 
 
 def can_run(forward=-1, backward=-1, *args, **kw):

@@ -290,7 +290,7 @@ def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
     x = (offset + spread * torch.randn(batch, 64, generator=g, dtype=torch.float64)).float().double()
     labels = torch.randint(0, 16, (batch,), generator=g)
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    for mine in (ft._ops().mine_batch_hard, fused_picks):
+    for mine in (ft._internal_ops().mine_batch_hard, fused_picks):
         got = mine(x.float().cuda(), labels.cuda(), 1e-6)
         for ours, theirs in zip(got, want):
             assert torch.equal(ours.cpu(), theirs)
@@ -306,7 +306,7 @@ def test_batch_hard_with_nan_and_inf_rows(batch):
     x[10, 0], x[11, 0], x[12, 5] = float("inf"), float("-inf"), float("inf")
     x[20] = 1e30  # finite, but its squared distances overflow: ties of inf, the first index
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    for mine in (ft._ops().mine_batch_hard, fused_picks):
+    for mine in (ft._internal_ops().mine_batch_hard, fused_picks):
         got = mine(x.cuda(), labels.cuda(), 1e-6)
         for ours, theirs in zip(got, want):
             assert torch.equal(ours.cpu(), theirs)
@@ -317,7 +317,7 @@ def test_batch_hard_ties_and_duplicates():
     x = torch.randn(16, 8, device="cuda").repeat(4, 1)  # every row four times
     labels = torch.arange(16, device="cuda").repeat(4) % 5
     want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
-    for mine in (ft._ops().mine_batch_hard, fused_picks):
+    for mine in (ft._internal_ops().mine_batch_hard, fused_picks):
         positive, negative, valid = mine(x, labels, 1e-6)
         assert torch.equal(positive, want[0]) and torch.equal(negative, want[1])
         assert torch.equal(valid, want[2])
@@ -371,7 +371,7 @@ def test_ops_opcheck():
     x, labels = labelled_batch(40, 16, 5, dtype=torch.float32, device="cuda")
     ops = torch.ops.fused_triplet
     ft.build()
-    torch.library.opcheck(ops.mine_batch_hard, (x, labels, 1e-6))
+    torch.library.opcheck(ft._internal_ops().mine_batch_hard, (x, labels, 1e-6))
     # (mining, reduction, eps, (distance, hinge, counting, band, band_margin))
     cases = ([(m, r, 1e-6, (0, 0, 0, 0, 0.0)) for m in (0, 1) for r in (0, 1, 2)]
              + [(0, 1, 0.0, (1, 1, 1, 0, 0.0)), (0, 0, 0.0, (0, 0, 2, 0, 0.0)),
@@ -496,11 +496,11 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
     _, count, state = ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, True)
     one = torch.ones((), device="cuda")
     bad = [
-        lambda: ops.mine_batch_hard(x.double(), labels, 1e-6),
-        lambda: ops.mine_batch_hard(x, labels.int(), 1e-6),
-        lambda: ops.mine_batch_hard(x, labels[:-1], 1e-6),
-        lambda: ops.mine_batch_hard(x[0], labels, 1e-6),
-        lambda: ops.mine_batch_hard(x, labels.cpu(), 1e-6),
+        lambda: ft._internal_ops().mine_batch_hard(x.double(), labels, 1e-6),
+        lambda: ft._internal_ops().mine_batch_hard(x, labels.int(), 1e-6),
+        lambda: ft._internal_ops().mine_batch_hard(x, labels[:-1], 1e-6),
+        lambda: ft._internal_ops().mine_batch_hard(x[0], labels, 1e-6),
+        lambda: ft._internal_ops().mine_batch_hard(x, labels.cpu(), 1e-6),
         lambda: ops.mined_triplet_loss(x.to(torch.float8_e4m3fn), labels, 1, 0.5, 1e-6, 1),
         lambda: ops.mined_triplet_loss(x, labels, 3, 0.5, 1e-6, 1),
         lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 0.0, 1, False, 0, 1),  # semi_hard soft

@@ -33,7 +33,7 @@ def step(inputs, requires=(True, True, True), weight=None, forward=-1, **kw):
 
 def history(inputs, margin=1.0, p=2.0, eps=1e-6, swap=False, reduction="mean"):
     """(last upstream gradient, whether it repeated) of each place of the problem's step."""
-    raw = ft._ops().upstream_history(*inputs, float(margin), float(p), float(eps), swap,
+    raw = ft._internal_ops().upstream_history(*inputs, float(margin), float(p), float(eps), swap,
                                      REDUCTIONS[reduction]).cpu()
     return [(v, bool(r)) for v, r in zip(raw[:, 0].view(torch.float32).tolist(),
                                          raw[:, 1].tolist())]
@@ -48,7 +48,7 @@ def torch_grads(inputs, requires, weight, double=False, **kw):
 
 
 def takes_one_pass(inputs, pnorm=2.0, swap=False):
-    return "training onepass" in ft._ops().describe_plans(*inputs, pnorm, swap)
+    return "training onepass" in ft._internal_ops().describe_plans(*inputs, pnorm, swap)
 
 
 def assert_same_bits(one, two, case=None):
