@@ -277,10 +277,12 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk, con
 // on t = candidate term - 2 gram (d^2's interval is the anchor's term + t, rounding monotone in t,
 // so extremes of t are extremes of d^2). First the bounds (scan_row_bounds): a lower bound of the
 // row's largest positive squared distance, an upper bound of its smallest negative one, and
-// each thread's most promising positive and negative column with the runner-up's bound. A column whose interval can beat the
-// row's bound is a candidate and gets its exact distance from the whole warp: the true extreme
-// always is one, so it is always decided exactly. Threads whose runner-up is a candidate too (or
-// that saw a bound that is not finite) walk those columns again. The warps then combine picks.
+// each thread's most promising positive and negative column with the runner-up's bound. A
+// column whose interval can beat the row's bound is a candidate and gets its exact distance from
+// the whole warp: the true extreme always is one, so it is always decided exactly. Threads whose
+// runner-up is a candidate too (or that saw a bound that is not finite) walk those columns again.
+// The warps then combine picks. One body past 100 lines: its passes share the row's bounds and
+// each thread's picks in registers, which a split would send through memory.
 template <int kVector>
 __global__ void __launch_bounds__(kRowThreads)
     hardest_kernel(MiningChunk chunk, const float* gram, const float2* bounds,
@@ -594,7 +596,8 @@ struct Hit {
 // A block per tile of 64 rows, 8 per warp. The block scans the anchors for those that chose a
 // tile row as positive or negative and lists them (anchor order; a full list is worked off
 // before the scan goes on); each warp then writes its rows slice by slice: the row's own term as
-// an anchor, then the listed terms in order. One writer per row: no atomics.
+// an anchor, then the listed terms in order. One writer per row: no atomics. One body past 100
+// lines: the scan and the writes take turns on one shared list within the block.
 __global__ void __launch_bounds__(kRowThreads, 1)
     hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
                          int rows_per_warp, float* grad) {
@@ -734,10 +737,6 @@ __device__ __forceinline__ TripletTerm triplet_term(const LossRule& rule, float 
   return {v > 0.f || v != v ? v : 0.f, v > 0.f ? 1.f : 0.f, v > floor};
 }
 
-// A block per anchor row of the chunk. Its positives are staged (d(i, j)) a slot each, every
-// negative is held against them; weights: each column's d loss / d d(i, c), scaled by g_i /
-// d(i, c) at the end (g_i for |a - b|^2 / 2). Where weights overwrite dists (a whole batch), the
-// row is first copied to shared memory.
 // semi_hard's choice for each staged positive j of a row, a warp each: the nearest negative
 // farther than d(i, j) (the lowest column among equals), else the farthest one; its loss
 // max(margin + d(i, j) - d(i, n), 0) (d(i, n) 0 without negatives) into lane 0's sums. Where
@@ -770,6 +769,12 @@ __device__ void choose_semi_hard(const MiningChunk& chunk, const float* d, int64
   }
 }
 
+// A block per anchor row of the chunk. Its positives are staged (d(i, j)) a slot each, every
+// negative is held against them; weights: each column's d loss / d d(i, c), scaled by g_i /
+// d(i, c) at the end (g_i for |a - b|^2 / 2). Where weights overwrite dists (a whole batch), the
+// row is first copied to shared memory.
+// One body past 100 lines: staging, the pairs and the weights share the row's slots in shared
+// memory.
 template <bool kGeneral, bool kSemiHard>
 __global__ void __launch_bounds__(kRowThreads)
     batch_all_kernel(MiningChunk chunk, const float* dists, Upstream up, float* loss,
