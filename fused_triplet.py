@@ -11,7 +11,7 @@ handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-
 reference elsewhere) -> drop-ins for sentence-transformers' and pytorch-metric-learning's
 triplet losses (on the mined op where it computes them, their formulas in torch elsewhere) and
 gather_across_ranks -> export (this file with its sources inlined, or the KernelBench file from
-kernels/kernelbench_model.py and the first two sections) -> command line.
+kernels/kernelbench_model.py, the first two sections and ModelNew) -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
@@ -390,7 +390,6 @@ def _internal_ops():
 # it has them); inputs the kernels do not take go to torch's triplet_margin_loss itself.
 # ---------------------------------------------------------------------------------------------
 
-_NONE, _MEAN, _SUM = 0, 1, 2  # at::Reduction's values, as the ops take them
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

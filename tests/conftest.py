@@ -63,7 +63,6 @@ def rand_triplet(shape, dtype=torch.float32, device="cpu", seed=0):
 def distance_scale(a, p, n, pnorm=2.0, eps=1e-6, swap=False):
     """Per-sample 1 + the float64 distances a loss is made of: the loss is their difference, so
     its fp32 rounding error scales with them, not with the loss."""
-    import fused_triplet as ft
     a, p, n = a.double(), p.double(), n.double()
     pairs = ((a, p), (a, n), (p, n)) if swap else ((a, p), (a, n))
     return 1 + sum(torch.pairwise_distance(x, y, pnorm, eps).abs() for x, y in pairs)
