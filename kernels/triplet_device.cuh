@@ -253,7 +253,7 @@ struct Plus {
 // Deterministic block-wide sum in a fixed order; the result is valid in thread 0.
 template <int kThreads, typename S>
 __device__ __forceinline__ S block_sum(S v, S* smem) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  v = warp_all_reduce(v, Plus());
   if (threadIdx.x % 32 == 0) smem[threadIdx.x / 32] = v;
   __syncthreads();
   if (threadIdx.x == 0) {
