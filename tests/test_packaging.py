@@ -27,3 +27,9 @@ def test_installed_module_finds_its_kernels(tmp_path):
     path, names, name = json.loads(proc.stdout.strip().splitlines()[-1])
     assert path.startswith(str(target))
     assert names == list(ft.KERNEL_SOURCES) and name == ft._extension_name()  # the same build
+    # the KernelBench file from the installed package (its template installs with the kernels)
+    proc = subprocess.run([sys.executable, "-c", "import fused_triplet as f; f.export('kb.py', "
+                           "kernelbench=True)"], cwd=elsewhere, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(target)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "class ModelNew(" in (elsewhere / "kb.py").read_text()
