@@ -35,6 +35,14 @@ def test_exported_file_holds_the_kernels(exported):
     assert re.search(r"\b(threadIdx|blockIdx|blockDim)\.", stripped)
 
 
+def test_exported_file_without_the_template_says_so(exported, tmp_path):
+    # the one-file copy holds no KernelBench template: one line and status 1, no traceback
+    proc = subprocess.run([sys.executable, str(exported), "--export", "kb.py", "--kernelbench"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "KernelBench template" in proc.stderr and proc.stderr.strip().count("\n") == 0
+
+
 def test_exported_sources_equal_package_sources(exported):
     namespace = {}
     exec(compile(exported.read_text(), str(exported), "exec"), namespace)
