@@ -336,7 +336,7 @@ def _mine_batch_hard_fake(embeddings, labels, eps):
 
 
 def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_backward=False,
-                     distance=0, hinge=0, counting=0, band=0, band_margin=0.0):
+                     distance=0, hinge=0, counting=0, band=0, band_margin=0.0, references=0):
     batch = embeddings.shape[0]
     floats = dict(dtype=torch.float32)
     loss = embeddings.new_empty(batch if reduction == 0 else (), **floats)
@@ -350,7 +350,7 @@ def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_bac
 
 def _mined_loss_backward_fake(grad, embeddings, labels, count, state, mining, margin, eps,
                               reduction, hinge_at_zero, distance=0, hinge=0, counting=0, band=0,
-                              band_margin=0.0):
+                              band_margin=0.0, references=0):
     return embeddings.new_empty(embeddings.shape)
 
 
@@ -849,13 +849,14 @@ _EUCLIDEAN, _COSINE, _UNIT_EUCLIDEAN = 0, 3, 2
 
 def _library_loss_on_the_op(x: Tensor, labels: Tensor, distance: int, margin: float,
                             mining: int, hinge: int, counting: int, band: int = 0,
-                            band_margin: float = 0.0) -> Tensor:
+                            band_margin: float = 0.0, references: int = 0) -> Tensor:
     """A library's loss ('mean') as the mined op computes it on exact distances (a similarity's
-    order is its distance's reverse); labels as int64 ids (equal where they compare equal)."""
+    order is its distance's reverse); labels as int64 ids (equal where they compare equal); the
+    last `references` rows a reference set."""
     if labels.is_floating_point() or labels.is_complex():
         labels = labels.unique(return_inverse=True)[1]
     return _ops().mined_triplet_loss(x, labels.long(), mining, margin, 0.0, 1, False,
-                                     distance, hinge, counting, band, band_margin)[0]
+                                     distance, hinge, counting, band, band_margin, references)[0]
 
 
 def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
@@ -1026,6 +1027,21 @@ def _in_band(gap: Tensor, band: str, band_margin: float) -> Tensor:
     return keep & (gap > 0) if band == "semihard" else keep
 
 
+def _references_fit(embeddings: Tensor, ref_emb: Tensor, ref_labels: Tensor, mining: int) -> bool:
+    """Whether the op takes this reference set after the batch: rows like the batch's, labels for
+    each, and both within the whole batch's kernels (else the torch formula runs)."""
+    return (ref_emb.device == embeddings.device and ref_emb.dtype == embeddings.dtype
+            and ref_emb.dim() == 2 and ref_emb.shape[1] == embeddings.shape[1]
+            and 0 < ref_emb.shape[0] == ref_labels.numel()
+            and ref_labels.device == embeddings.device
+            and embeddings.shape[0] + ref_emb.shape[0] <= _whole_rows(mining))
+
+
+def _whole_rows(mining: int) -> int:
+    _ops()  # the plan's sizes come with the library
+    return _MINING_WHOLE_ROWS[mining]
+
+
 def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
                      ref_emb: Tensor | None = None, ref_labels: Tensor | None = None) -> Tensor:
     """pytorch-metric-learning's `loss_func(embeddings, labels, miner(embeddings, labels, ref_emb,
@@ -1038,14 +1054,20 @@ def pml_triplet_loss(loss_func, miner, embeddings: Tensor, labels: Tensor,
     if (ref_emb is None) != (ref_labels is None):
         raise ValueError("pml_triplet_loss: ref_emb and ref_labels go together (the library "
                          "would reuse the batch's labels for ref_emb)")
-    if ref_emb is None and _mining_takes(embeddings, 2.0):
+    mining = 0 if settings["hardest"] else 1
+    if _mining_takes(embeddings, 2.0) and (
+            ref_emb is None or _references_fit(embeddings, ref_emb, ref_labels, mining)):
+        rows, row_labels, references = embeddings, labels.reshape(-1), 0
+        if ref_emb is not None:  # the op's reference set: the rows after the batch
+            rows = torch.cat([embeddings, ref_emb])
+            row_labels = torch.cat([row_labels, ref_labels.reshape(-1)])
+            references = ref_emb.shape[0]
         band = 0 if settings["band"] is None else 1 + _PML_BANDS.index(settings["band"])
         distance = (_COSINE if settings["similarity"] else
                     _UNIT_EUCLIDEAN if settings["normalises"] else _EUCLIDEAN)
         loss = _library_loss_on_the_op(
-            embeddings, labels.reshape(-1), distance, settings["margin"],
-            0 if settings["hardest"] else 1, int(settings["smooth"]), 2, band,
-            settings["band_margin"])
+            rows, row_labels, distance, settings["margin"], mining, int(settings["smooth"]), 2,
+            band, settings["band_margin"], references)
         return loss.to(embeddings.dtype)  # the library's loss has the embeddings' dtype
     refs, ref_labels = (embeddings, labels) if ref_emb is None else (ref_emb, ref_labels)
     values = _pml_values(embeddings, refs, settings["normalises"], settings["similarity"])

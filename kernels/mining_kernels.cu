@@ -131,6 +131,13 @@ __device__ __forceinline__ Pick shfl_xor(Pick pick, int offset) {
   return {fused_triplet::shfl_xor(pick.value, offset), fused_triplet::shfl_xor(pick.index, offset)};
 }
 
+// The first column that can be an anchor's positive or negative: the reference set's first row
+// (an anchor must lie before it; a reference row has none: the batch's end), else 0.
+__device__ __forceinline__ int64_t first_candidate(const MiningChunk& chunk, int64_t anchor) {
+  const int64_t from = chunk.batch - chunk.references;
+  return chunk.references == 0 ? 0 : anchor < from ? from : chunk.batch;
+}
+
 // The row of the kernels that give each warp of a kRowThreads block its own row.
 __device__ __forceinline__ int64_t warp_row() {
   return int64_t(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
@@ -503,7 +510,7 @@ __global__ void __launch_bounds__(kRowThreads)
     const float* d = dists + anchor * batch;
     const int64_t my_id = chunk.ids[anchor];
     Pick best_positive{0.f, -1}, best_negative{0.f, -1};
-    for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
+    for (int64_t c = first_candidate(chunk, anchor) + threadIdx.x; c < batch; c += kRowThreads) {
       const Pick candidate{d[c], c};
       if (chunk.ids[c] != my_id) {
         if (beats<false>(candidate, best_negative)) best_negative = candidate;
@@ -802,7 +809,8 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   double sum = 0.0;
   int64_t count = 0;
-  int64_t next = 0;  // the next column to look at for positives
+  const int64_t candidates = first_candidate(chunk, anchor);
+  int64_t next = candidates;  // the next column to look at for positives
   while (next < batch) {
     // Stage the next positives, in column order.
     int filled = 0;
@@ -838,7 +846,7 @@ __global__ void __launch_bounds__(kRowThreads)
       continue;
     }
     // Every negative against the staged positives.
-    for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
+    for (int64_t c = candidates + threadIdx.x; c < batch; c += kRowThreads) {
       if (chunk.ids[c] == my_id) continue;  // the anchor and its positives
       const float dn = d[c];
       float slopes = 0.f;
@@ -856,7 +864,7 @@ __global__ void __launch_bounds__(kRowThreads)
       // Each staged positive: the slopes of its pairs with every negative (a warp each).
       for (int j = warp; j < filled; j += kRowThreads / 32) {
         float slopes = 0.f;
-        for (int64_t c = lane; c < batch; c += 32) {
+        for (int64_t c = candidates + lane; c < batch; c += 32) {
           if (chunk.ids[c] == my_id) continue;
           slopes += triplet_term<kGeneral>(rule, margin, positive_d[j], d[c]).slope;
         }

@@ -58,11 +58,14 @@ int64_t whole_batch_rows(Mining mining);
 
 // One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim), float,
 // contiguous (2-byte embeddings cast exactly); ids: each embedding's label. Per-anchor outputs
-// and inputs are indexed by embedding (arrays of `batch`).
+// and inputs are indexed by embedding (arrays of `batch`). references > 0: a reference set
+// (pytorch-metric-learning's ref_emb), the last `references` rows, holds every positive and
+// negative, and only the rows before it are anchors (a whole batch only).
 struct MiningChunk {
   const float* embeddings;
   const int64_t* ids;
   int64_t batch, dim, first, rows;
+  int64_t references;
   float eps, margin;
   Mining mining;
   LossRule rule;

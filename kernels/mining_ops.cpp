@@ -74,7 +74,8 @@ void check_reduction(int64_t reduction) {
 
 // The embeddings the mining ops take (the kernels read them as float, cast exactly); the Python
 // side sends every other dtype to the torch reference, and the ops refuse them before any launch.
-void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
+void check_mining(const at::Tensor& embeddings, const at::Tensor& labels, Mining mining,
+                  int64_t references) {
   TORCH_CHECK(embeddings.is_cuda() && labels.device() == embeddings.device(),
               "fused_triplet mining: embeddings and labels must be on one CUDA device, got ",
               embeddings.device(), " and ", labels.device());
@@ -88,25 +89,32 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels) {
               "fused_triplet mining: expected int64 labels of shape (",
               std::to_string(embeddings.size(0)), "), got ", labels.scalar_type(), " ",
               shape_text(labels));
+  TORCH_CHECK(references == 0 || (references > 0 && references <= embeddings.size(0) &&
+                                  mining != Mining::kSemiHard),
+              "fused_triplet mining: references must be 0, or at most the rows given "
+              "(batch_hard and batch_all), got ", std::to_string(references));
 }
 
 // What every mining op does first, for as long as it runs: check its inputs (before any launch),
 // leave autocast, take the inputs' device, read them as contiguous float embeddings (exact for
 // 2-byte ones; scaled to unit length where the rule says) and int64 labels.
 struct MiningCall {
-  // The ops' arguments: the mining code, the reduction and the loss rule, as rule_of reads it.
+  // The ops' arguments: the mining code, the reduction, the loss rule, as rule_of reads it, and
+  // the reference set's rows.
   MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
              int64_t reduction, double eps, int64_t distance, int64_t hinge, int64_t counting,
-             int64_t band, double band_margin)
+             int64_t band, double band_margin, int64_t references_in)
       : MiningCall(embeddings_in, labels_in, mining_of(mining_code),
                    (check_reduction(reduction),
                     rule_of(mining_of(mining_code), distance, hinge, counting, band, band_margin,
-                            eps))) {}
+                            eps)),
+                   references_in) {}
   MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, Mining mining_in,
-             LossRule rule_in)
+             LossRule rule_in, int64_t references_in = 0)
       : mining(mining_in),
         rule(rule_in),
-        checked((check_mining(embeddings_in, labels_in), true)),
+        references(references_in),
+        checked((check_mining(embeddings_in, labels_in, mining_in, references_in), true)),
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
         stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()),
@@ -116,7 +124,17 @@ struct MiningCall {
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
     return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
-            embeddings.size(1), 0, embeddings.size(0), float(eps), float(margin), mining, rule};
+            embeddings.size(1), 0, embeddings.size(0), references, float(eps), float(margin),
+            mining, rule};
+  }
+  // The plan for these embeddings; a reference set needs the whole batch's kernels.
+  MiningPlan plan() const {
+    const MiningPlan plan = plan_mining(mining, embeddings.size(0), embeddings.size(1));
+    TORCH_CHECK(references == 0 || plan.whole,
+                "fused_triplet mining: a reference set needs batch + references <= ",
+                std::to_string(whole_batch_rows(mining)), ", got ",
+                std::to_string(embeddings.size(0)));
+    return plan;
   }
   // fn(chunk) for each chunk of anchors, with these ids (the labels, or them sorted).
   void for_each_chunk(const MiningPlan& plan, const at::Tensor& ids, double margin, double eps,
@@ -138,6 +156,7 @@ struct MiningCall {
   }
   Mining mining;
   LossRule rule;
+  int64_t references;  // the last rows: the reference set (MiningChunk's)
   bool checked;
   NoAutocast no_autocast;
   c10::cuda::CUDAGuard guard;
@@ -195,9 +214,9 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
     const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
     double margin, double eps, int64_t reduction, bool for_backward, int64_t distance,
-    int64_t hinge, int64_t counting, int64_t band, double band_margin) {
+    int64_t hinge, int64_t counting, int64_t band, double band_margin, int64_t references) {
   const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
-                        counting, band, band_margin);
+                        counting, band, band_margin, references);
   const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
@@ -206,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   at::Tensor counted = at::empty({batch}, call.labels.options());
   at::Tensor count = at::empty({}, floats);
   at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
-  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  const MiningPlan plan = call.plan();
   const bool keeps_weights = mining != Mining::kBatchHard && for_backward && plan.whole;
   at::Tensor state = mining == Mining::kBatchHard
                          ? at::empty({4, batch}, floats.dtype(at::kDouble))
@@ -280,9 +299,9 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     const at::Tensor& state, int64_t mining_code, double margin,
                                     double eps, int64_t reduction, bool hinge_at_zero,
                                     int64_t distance, int64_t hinge, int64_t counting,
-                                    int64_t band, double band_margin) {
+                                    int64_t band, double band_margin, int64_t references) {
   const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
-                        counting, band, band_margin);
+                        counting, band, band_margin, references);
   const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
@@ -306,7 +325,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     (whole_weights || state.numel() == 0)),
               "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
               shape_text(state));
-  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  const MiningPlan plan = call.plan();
   TORCH_CHECK(!whole_weights || plan.whole,
               "fused_triplet mining: saved weights for a batch the plan does not keep whole");
   const at::Tensor grad = grad_in.contiguous();
@@ -337,7 +356,7 @@ const auto& mined_loss_op() {
           .findSchemaOrThrow("fused_triplet::mined_triplet_loss", "")
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t, bool,
-              int64_t, int64_t, int64_t, int64_t, double)>();
+              int64_t, int64_t, int64_t, int64_t, double, int64_t)>();
   return op;
 }
 
@@ -347,7 +366,7 @@ const auto& mined_loss_backward_op() {
           .findSchemaOrThrow("fused_triplet::mined_triplet_loss_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, int64_t, double, double, int64_t,
-                            bool, int64_t, int64_t, int64_t, int64_t, double)>();
+                            bool, int64_t, int64_t, int64_t, int64_t, double, int64_t)>();
   return op;
 }
 
@@ -358,15 +377,17 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
                                                 const at::Tensor& labels, int64_t mining,
                                                 double margin, double eps, int64_t reduction,
                                                 int64_t distance, int64_t hinge, int64_t counting,
-                                                int64_t band, double band_margin) {
+                                                int64_t band, double band_margin,
+                                                int64_t references) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [loss, count, state] = mined_loss_op().call(embeddings, labels, mining, margin, eps,
                                                      reduction, true, distance, hinge, counting,
-                                                     band, band_margin);
+                                                     band, band_margin, references);
     ctx->save_for_backward({embeddings, labels, count, state});
     // the options as one record, in the backward op's order
     ctx->saved_data["options"] = c10::ivalue::Tuple::create(
-        {mining, margin, eps, reduction, distance, hinge, counting, band, band_margin});
+        {mining, margin, eps, reduction, distance, hinge, counting, band, band_margin,
+         references});
     ctx->mark_non_differentiable({count, state});
     ctx->set_materialize_grads(false);  // count and state never get a gradient (no zero fills)
     return {loss, count, state};
@@ -374,7 +395,7 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    torch::autograd::variable_list out(11);  // the embeddings; labels and options get none
+    torch::autograd::variable_list out(12);  // the embeddings; labels and options get none
     if (!grads[0].defined() || !ctx->needs_input_grad(0)) return out;
     TORCH_CHECK(!at::GradMode::is_enabled(),
                 "fused_triplet mining: the fused backward is not differentiable (create_graph="
@@ -384,7 +405,7 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
     out[0] = mined_loss_backward_op().call(
         grads[0], saved[0], saved[1], saved[2], saved[3], o[0].toInt(), o[1].toDouble(),
         o[2].toDouble(), o[3].toInt(), hinge_passes_at_zero(), o[4].toInt(), o[5].toInt(),
-        o[6].toInt(), o[7].toInt(), o[8].toDouble());
+        o[6].toInt(), o[7].toInt(), o[8].toDouble(), o[9].toInt());
     return out;
   }
 };
@@ -394,15 +415,15 @@ class MinedLossFunction : public torch::autograd::Function<MinedLossFunction> {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
     const at::Tensor& embeddings, const at::Tensor& labels, int64_t mining, double margin,
     double eps, int64_t reduction, bool for_backward, int64_t distance, int64_t hinge,
-    int64_t counting, int64_t band, double band_margin) {
+    int64_t counting, int64_t band, double band_margin, int64_t references) {
   if (at::GradMode::is_enabled() && embeddings.requires_grad()) {
     auto out = MinedLossFunction::apply(embeddings, labels, mining, margin, eps, reduction,
-                                        distance, hinge, counting, band, band_margin);
+                                        distance, hinge, counting, band, band_margin, references);
     return {out[0], out[1], out[2]};
   }
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   return mined_loss_op().call(embeddings, labels, mining, margin, eps, reduction, for_backward,
-                              distance, hinge, counting, band, band_margin);
+                              distance, hinge, counting, band, band_margin, references);
 }
 
 // Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor.
@@ -429,14 +450,16 @@ int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mi
 TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
   // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining 0
   // batch_hard, 1 batch_all; reduction as at::Reduction (0 none, 1 mean, 2 sum); the loss rule
-  // as rule_of reads it. Returns (loss, count, state): mined_loss_cuda says what each holds.
+  // as rule_of reads it; references: the last rows are a reference set (MiningChunk's). Returns
+  // (loss, count, state): mined_loss_cuda says what each holds.
   m.def("mined_triplet_loss(Tensor embeddings, Tensor labels, int mining, float margin, "
         "float eps, int reduction, bool for_backward=False, int distance=0, int hinge=0, "
-        "int counting=0, int band=0, float band_margin=0.) -> (Tensor, Tensor, Tensor)");
+        "int counting=0, int band=0, float band_margin=0., int references=0) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("mined_triplet_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, "
         "Tensor count, Tensor state, int mining, float margin, float eps, int reduction, "
         "bool hinge_at_zero, int distance=0, int hinge=0, int counting=0, int band=0, "
-        "float band_margin=0.) -> Tensor");
+        "float band_margin=0., int references=0) -> Tensor");
 }
 
 TORCH_LIBRARY_FRAGMENT(fused_triplet_internal, m) {

@@ -64,19 +64,23 @@ KINDS = ("plain", "duplicates", "single class", "classes of one", "some without 
          "huge norms")
 
 
-def batch_clear_of_band_edges(kind, distance, size, dim, edges=(0.0, 0.3)):
+def batch_clear_of_band_edges(kind, distance, size, dim, edges=(0.0, 0.3), references=0):
     """batch(kind) of the first seed where no triplet's gap d_an - d_ap (float64; a similarity's
     s_ap - s_an) lies within a few float32 roundings of a distance of a miner's band edge, other
-    than exactly on it (equal rows): there rounding decides membership, in either library."""
+    than exactly on it (equal rows): there rounding decides membership, in either library. With
+    references, a plain reference set too (its rows the positives and negatives)."""
     for seed in range(50):
         x, labels = batch(kind, size=size, dim=dim, seed=seed)
-        rows = x if distance == "lp raw" else x / x.norm(dim=1, keepdim=True)
-        d = -(rows @ rows.t()) if distance == "cosine" else torch.cdist(rows, rows)
-        positives, negatives = ft._label_masks(labels, labels, 0)
+        refs, ref_labels = (batch("plain", size=references, dim=dim, seed=seed + 100)
+                            if references else (x, labels))
+        unit = (lambda v: v) if distance == "lp raw" else (lambda v: v / v.norm(dim=1, keepdim=True))
+        rows, ref_rows = unit(x), unit(refs)
+        d = -(rows @ ref_rows.t()) if distance == "cosine" else torch.cdist(rows, ref_rows)
+        positives, negatives = ft._label_masks(labels, ref_labels, None if references else 0)
         gaps = (d[:, None, :] - d[:, :, None])[positives[:, :, None] & negatives[:, None, :]]
         clearance = 16 * torch.finfo(torch.float32).eps * d.abs().max()
         if all(((gaps - e).abs()[gaps != e] > clearance).all() for e in edges):
-            return x, labels
+            return (x, labels, refs, ref_labels) if references else (x, labels)
     raise AssertionError("no seed gives a batch clear of the band edges")
 
 
@@ -262,6 +266,40 @@ def test_pytorch_metric_learning_drop_in_on_the_gpu(distance, miner, smooth, kin
 
     exact, their = value_and_grad(theirs, x), value_and_grad(theirs, x.float())
     got = value_and_grad(lambda e: ft.pml_triplet_loss(loss_func, mine, e, labels), x.float())
+    for mine_, library, want in zip(got, their, exact):
+        scale = 1 + want.abs().max()
+        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
+        assert ((mine_.double() - want).abs() <= allowed).all(), (mine_, library, want)
+
+
+@requires_cuda
+@pytest.mark.parametrize("distance,miner,smooth",
+                         list(itertools.product(PML_DISTANCES, PML_MINERS, (False, True))))
+def test_pytorch_metric_learning_reference_set_on_the_gpu(distance, miner, smooth, monkeypatch):
+    # The op with the reference set after the batch: values and the gradients of both, float32
+    # against the library's float64 result, at most 4x the library's own float32 error.
+    _, loss_func, mine = pml_objects(distance, miner, smooth)
+    x, labels, refs, ref_labels = (t.cuda() for t in batch_clear_of_band_edges(
+        "plain", distance, size=48, dim=32, references=72))
+    calls = []
+    on_the_op = ft._library_loss_on_the_op
+    monkeypatch.setattr(ft, "_library_loss_on_the_op", lambda *a: calls.append(a) or on_the_op(*a))
+
+    def value_and_grads(fn, dtype):
+        e, r = (t.detach().to(dtype).requires_grad_(True) for t in (x, refs))
+        loss = fn(e, r)
+        grads = torch.autograd.grad(loss, (e, r), allow_unused=True)
+        return [loss.detach(), *(torch.zeros_like(t) if g is None else g
+                                 for g, t in zip(grads, (e, r)))]
+
+    def theirs(e, r):
+        return loss_func(e, labels, None if mine is None else mine(e, labels, r, ref_labels), r,
+                         ref_labels)
+
+    exact, their = value_and_grads(theirs, torch.float64), value_and_grads(theirs, torch.float32)
+    got = value_and_grads(lambda e, r: ft.pml_triplet_loss(loss_func, mine, e, labels, r,
+                                                           ref_labels), torch.float32)
+    assert len(calls) == 1 and calls[0][-1] == 72  # the op ran, with the reference set
     for mine_, library, want in zip(got, their, exact):
         scale = 1 + want.abs().max()
         allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale

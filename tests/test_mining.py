@@ -378,7 +378,8 @@ def test_ops_opcheck():
                 (1, 1, 0.0, (1, 1, 3, 3, 0.3)), (1, 0, 0.0, (0, 0, 2, 4, 0.1)),
                 (2, 1, 1e-6, (0, 0, 0, 0, 0.0)), (2, 0, 0.0, (1, 0, 0, 0, 0.0)),
                 (0, 1, 0.0, (3, 0, 1, 0, 0.0)), (1, 1, 0.0, (2, 1, 2, 1, 0.2)),
-                (2, 2, 0.0, (3, 0, 0, 0, 0.0))])
+                (2, 2, 0.0, (3, 0, 0, 0, 0.0)), (0, 1, 0.0, (2, 0, 2, 0, 0.0, 15)),
+                (1, 0, 0.0, (3, 1, 2, 2, 0.1, 15))])
     for mining, reduction, eps, rule in cases:
         torch.library.opcheck(ops.mined_triplet_loss, (x.clone().requires_grad_(True), labels,
                                                        mining, 0.5, eps, reduction, False, *rule))
@@ -495,6 +496,7 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
     ft.build()
     _, count, state = ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 1, True)
     one = torch.ones((), device="cuda")
+    big, big_labels = labelled_batch(2100, 4, 2, dtype=torch.float32, device="cuda")
     bad = [
         lambda: ft._internal_ops().mine_batch_hard(x.double(), labels, 1e-6),
         lambda: ft._internal_ops().mine_batch_hard(x, labels.int(), 1e-6),
@@ -515,6 +517,11 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 0, 0, 1),
         lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 0.0, 1, False, 0, 0, 0, 5),
         lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 1e-6, 3),
+        lambda: ops.mined_triplet_loss(x, labels, 2, 0.5, 0.0, 1, False, 0, 0, 0, 0, 0.0, 2),
+        lambda: ops.mined_triplet_loss(x, labels, 0, 0.5, 0.0, 1, False, 0, 0, 0, 0, 0.0, 9),
+        lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 0.0, 1, False, 0, 0, 0, 0, 0.0, -1),
+        lambda: ops.mined_triplet_loss(big, big_labels, 0, 0.5, 0.0, 1, False, 0, 0, 0, 0, 0.0,
+                                       100),  # a reference set past the whole batch's kernels
         lambda: ops.mined_triplet_loss_backward(one.half(), x, labels, count, state, 0, 0.5, 1e-6,
                                                 1, True),
         lambda: ops.mined_triplet_loss_backward(torch.ones(7, device="cuda"), x, labels, count,
