@@ -91,6 +91,15 @@ def value_and_grad(fn, x):
     return loss.detach(), (torch.zeros_like(leaf) if grad is None else grad)
 
 
+def assert_within_their_error(got, their, exact):
+    """Each of ours (float32) off the library's float64 result by at most 4x the library's own
+    float32 error (plus a few float32 ulps of the scale)."""
+    for mine, library, want in zip(got, their, exact):
+        scale = 1 + want.abs().max()
+        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
+        assert ((mine.double() - want).abs() <= allowed).all(), (mine, library, want)
+
+
 def assert_like_theirs(ours, theirs, x):
     """float64: equal to theirs far below float32 rounding (sums in another order; distances
     near 0 amplify that in the gradient). float32: ours off their float64 result by at most 4x
@@ -100,12 +109,8 @@ def assert_like_theirs(ours, theirs, x):
     torch.testing.assert_close(value, exact_value, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grad, exact_grad, rtol=1e-6, atol=1e-9)
     x32 = x.float()
-    their_value, their_grad = value_and_grad(theirs, x32)
-    value, grad = value_and_grad(ours, x32)
-    for got, their, exact in ((value, their_value, exact_value), (grad, their_grad, exact_grad)):
-        scale = 1 + exact.abs().max()
-        allowed = 4 * (their.double() - exact).abs() + 8 * torch.finfo(torch.float32).eps * scale
-        assert ((got.double() - exact).abs() <= allowed).all(), (got, their, exact)
+    assert_within_their_error(value_and_grad(ours, x32), value_and_grad(theirs, x32),
+                              (exact_value, exact_grad))
 
 
 # ---- sentence-transformers ---------------------------------------------------------------------
@@ -244,10 +249,7 @@ def test_sentence_transformers_drop_ins_on_the_gpu(name, distance, kind, size):
     their = value_and_grad(lambda e: theirs.compute_loss_from_embeddings([e], labels), x.float())
     got = value_and_grad(lambda e: ours.compute_loss_from_embeddings([e], labels), x.float())
     assert got[0].dtype == their[0].dtype and got[1].dtype == torch.float32
-    for mine, library, want in zip(got, their, exact):
-        scale = 1 + want.abs().max()
-        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
-        assert ((mine.double() - want).abs() <= allowed).all(), (mine, library, want)
+    assert_within_their_error(got, their, exact)
 
 
 @requires_cuda
@@ -266,10 +268,7 @@ def test_pytorch_metric_learning_drop_in_on_the_gpu(distance, miner, smooth, kin
 
     exact, their = value_and_grad(theirs, x), value_and_grad(theirs, x.float())
     got = value_and_grad(lambda e: ft.pml_triplet_loss(loss_func, mine, e, labels), x.float())
-    for mine_, library, want in zip(got, their, exact):
-        scale = 1 + want.abs().max()
-        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
-        assert ((mine_.double() - want).abs() <= allowed).all(), (mine_, library, want)
+    assert_within_their_error(got, their, exact)
 
 
 @requires_cuda
@@ -300,10 +299,7 @@ def test_pytorch_metric_learning_reference_set_on_the_gpu(distance, miner, smoot
     got = value_and_grads(lambda e, r: ft.pml_triplet_loss(loss_func, mine, e, labels, r,
                                                            ref_labels), torch.float32)
     assert len(calls) == 1 and calls[0][-1] == 72  # the op ran, with the reference set
-    for mine_, library, want in zip(got, their, exact):
-        scale = 1 + want.abs().max()
-        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
-        assert ((mine_.double() - want).abs() <= allowed).all(), (mine_, library, want)
+    assert_within_their_error(got, their, exact)
 
 
 @requires_cuda
@@ -322,10 +318,7 @@ def test_sentence_transformers_drop_ins_past_the_whole_batch(name):
     formula = lambda e: loss._loss(loss._distance(e), labels)  # noqa: E731
     exact, their = value_and_grad(formula, x), value_and_grad(formula, x.float())
     got = value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x.float())
-    for mine, library, want in zip(got, their, exact):
-        scale = 1 + want.abs().max()
-        allowed = 4 * (library.double() - want).abs() + 8 * torch.finfo(torch.float32).eps * scale
-        assert ((mine.double() - want).abs() <= allowed).all(), (mine, library, want)
+    assert_within_their_error(got, their, exact)
 
 
 @requires_cuda
