@@ -93,28 +93,68 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels, Mining
                                   mining != Mining::kSemiHard),
               "fused_triplet mining: references must be 0, or at most the rows given "
               "(batch_hard and batch_all), got ", std::to_string(references));
+  // a reference set runs on the whole batch's kernels only
+  TORCH_CHECK(references == 0 || embeddings.size(0) <= whole_batch_rows(mining),
+              "fused_triplet mining: a reference set needs batch + references <= ",
+              std::to_string(whole_batch_rows(mining)), ", got ",
+              std::to_string(embeddings.size(0)));
 }
 
-// What every mining op does first, for as long as it runs: check its inputs (before any launch),
-// leave autocast, take the inputs' device, read them as contiguous float embeddings (exact for
-// 2-byte ones; scaled to unit length where the rule says) and int64 labels.
+// The backward's own inputs against the checked embeddings: the upstream gradient, the
+// forward's count and state. Returns whether the state holds the whole batch's weights.
+bool check_backward_inputs(const at::Tensor& grad, const at::Tensor& count,
+                           const at::Tensor& state, const at::Tensor& embeddings, Mining mining,
+                           int64_t reduction) {
+  const int64_t batch = embeddings.size(0);
+  const auto on_device = [&](const at::Tensor& x) { return x.device() == embeddings.device(); };
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && on_device(grad) &&
+                  grad.dim() == (reduction == kNone ? 1 : 0) &&
+                  (reduction != kNone || grad.size(0) == batch),
+              "fused_triplet mining: expected a float32 gradient of the loss's shape on the "
+              "embeddings' device, got ", grad.scalar_type(), " ", shape_text(grad), " on ",
+              grad.device());
+  TORCH_CHECK(count.scalar_type() == at::kFloat && count.dim() == 0 && on_device(count),
+              "fused_triplet mining: expected the forward's float32 count, got ",
+              count.scalar_type(), " ", shape_text(count));
+  const bool whole_weights = mining != Mining::kBatchHard && state.dim() == 2 &&
+                             state.size(0) == batch && state.size(1) == batch;
+  const bool hard_state = mining == Mining::kBatchHard && state.dim() == 2 &&
+                          state.size(0) == 4 && state.size(1) == batch;
+  TORCH_CHECK(on_device(state) && state.is_contiguous() &&
+                  (hard_state ? state.scalar_type() == at::kDouble
+                              : state.scalar_type() == at::kFloat &&
+                                    (whole_weights || state.numel() == 0)),
+              "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
+              shape_text(state));
+  TORCH_CHECK(!whole_weights || batch <= whole_batch_rows(mining),
+              "fused_triplet mining: saved weights for a batch the plan does not keep whole");
+  return whole_weights;
+}
+
+// What every mining op does first, for as long as it runs: check its inputs (and the op's own,
+// check_more, after the embeddings' and before any launch), leave autocast, take the inputs'
+// device, read them as contiguous float embeddings (exact for 2-byte ones; scaled to unit length
+// where the rule says) and int64 labels.
 struct MiningCall {
   // The ops' arguments: the mining code, the reduction, the loss rule, as rule_of reads it, and
   // the reference set's rows.
   MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
              int64_t reduction, double eps, int64_t distance, int64_t hinge, int64_t counting,
-             int64_t band, double band_margin, int64_t references_in)
+             int64_t band, double band_margin, int64_t references_in,
+             const std::function<void()>& check_more = nullptr)
       : MiningCall(embeddings_in, labels_in, mining_of(mining_code),
                    (check_reduction(reduction),
                     rule_of(mining_of(mining_code), distance, hinge, counting, band, band_margin,
                             eps)),
-                   references_in) {}
+                   references_in, check_more) {}
   MiningCall(const at::Tensor& embeddings_in, const at::Tensor& labels_in, Mining mining_in,
-             LossRule rule_in, int64_t references_in = 0)
+             LossRule rule_in, int64_t references_in = 0,
+             const std::function<void()>& check_more = nullptr)
       : mining(mining_in),
         rule(rule_in),
         references(references_in),
-        checked((check_mining(embeddings_in, labels_in, mining_in, references_in), true)),
+        checked((check_mining(embeddings_in, labels_in, mining_in, references_in),
+                 check_more ? check_more() : void(), true)),
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
         stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()),
@@ -127,15 +167,6 @@ struct MiningCall {
             embeddings.size(1), 0, embeddings.size(0), references, float(eps), float(margin),
             mining, rule};
   }
-  // The plan for these embeddings; a reference set needs the whole batch's kernels.
-  MiningPlan plan() const {
-    const MiningPlan plan = plan_mining(mining, embeddings.size(0), embeddings.size(1));
-    TORCH_CHECK(references == 0 || plan.whole,
-                "fused_triplet mining: a reference set needs batch + references <= ",
-                std::to_string(whole_batch_rows(mining)), ", got ",
-                std::to_string(embeddings.size(0)));
-    return plan;
-  }
   // fn(chunk) for each chunk of anchors, with these ids (the labels, or them sorted).
   void for_each_chunk(const MiningPlan& plan, const at::Tensor& ids, double margin, double eps,
                       const std::function<void(const MiningChunk&)>& fn) const {
@@ -145,9 +176,11 @@ struct MiningCall {
       fn(chunk);
     }
   }
-  // The gradient of the given rows from the gradient of the rows the kernels read.
-  at::Tensor given_gradient(const at::Tensor& grad) const {
-    if (!rule.unit_rows || grad.numel() == 0) return grad;
+  // The gradient of the given rows from the gradient (float, or the chunks' double) of the
+  // rows the kernels read.
+  at::Tensor given_gradient(const at::Tensor& grad_in) const {
+    if (!rule.unit_rows || grad_in.numel() == 0) return grad_in;
+    const at::Tensor grad = grad_in.to(at::kFloat);
     at::Tensor out = at::empty_like(grad);
     C10_CUDA_CHECK(launch_unit_rows_backward(given.data_ptr<float>(), grad.data_ptr<float>(),
                                              grad.size(0), grad.size(1), out.data_ptr<float>(),
@@ -225,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   at::Tensor counted = at::empty({batch}, call.labels.options());
   at::Tensor count = at::empty({}, floats);
   at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
-  const MiningPlan plan = call.plan();
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
   const bool keeps_weights = mining != Mining::kBatchHard && for_backward && plan.whole;
   at::Tensor state = mining == Mining::kBatchHard
                          ? at::empty({4, batch}, floats.dtype(at::kDouble))
@@ -300,34 +333,17 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     double eps, int64_t reduction, bool hinge_at_zero,
                                     int64_t distance, int64_t hinge, int64_t counting,
                                     int64_t band, double band_margin, int64_t references) {
+  bool whole_weights = false;  // the state holds the whole batch's weights
   const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
-                        counting, band, band_margin, references);
+                        counting, band, band_margin, references, [&] {
+                          whole_weights = check_backward_inputs(grad_in, count, state,
+                                                                embeddings_in,
+                                                                mining_of(mining_code), reduction);
+                        });
   const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
-  const auto on_device = [&](const at::Tensor& x) { return x.device() == embeddings.device(); };
-  TORCH_CHECK(grad_in.scalar_type() == at::kFloat && on_device(grad_in) &&
-                  grad_in.dim() == (reduction == kNone ? 1 : 0) &&
-                  (reduction != kNone || grad_in.size(0) == batch),
-              "fused_triplet mining: expected a float32 gradient of the loss's shape on the "
-              "embeddings' device, got ", grad_in.scalar_type(), " ", shape_text(grad_in), " on ",
-              grad_in.device());
-  TORCH_CHECK(count.scalar_type() == at::kFloat && count.dim() == 0 && on_device(count),
-              "fused_triplet mining: expected the forward's float32 count, got ",
-              count.scalar_type(), " ", shape_text(count));
-  const bool whole_weights = mining != Mining::kBatchHard && state.dim() == 2 &&
-                             state.size(0) == batch && state.size(1) == batch;
-  const bool hard_state = mining == Mining::kBatchHard && state.dim() == 2 &&
-                          state.size(0) == 4 && state.size(1) == batch;
-  TORCH_CHECK(on_device(state) && state.is_contiguous() &&
-                  (hard_state ? state.scalar_type() == at::kDouble
-                              : state.scalar_type() == at::kFloat &&
-                                    (whole_weights || state.numel() == 0)),
-              "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
-              shape_text(state));
-  const MiningPlan plan = call.plan();
-  TORCH_CHECK(!whole_weights || plan.whole,
-              "fused_triplet mining: saved weights for a batch the plan does not keep whole");
+  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
   const at::Tensor grad = grad_in.contiguous();
   const Upstream up{grad.data_ptr<float>(), count.data_ptr<float>(), reduction};
   const MiningChunk all = call.whole(call.labels, margin, eps);
@@ -343,7 +359,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
   } else {
-    out = batch_all_gradient_by_chunks(call, plan, up, margin, eps).to(at::kFloat);
+    out = batch_all_gradient_by_chunks(call, plan, up, margin, eps);
   }
   return call.given_gradient(out).to(embeddings_in.scalar_type());
 }
