@@ -10,8 +10,8 @@ handling -> public API (triplet_margin_loss, TripletMarginLoss, ModelNew) -> in-
 (mined_triplet_margin_loss, MinedTripletMarginLoss; one op per loss on CUDA, a chunked torch
 reference elsewhere) -> drop-ins for sentence-transformers' and pytorch-metric-learning's
 triplet losses (on the mined op where it computes them, their formulas in torch elsewhere) and
-gather_across_ranks -> export (this file with its sources inlined, or the KernelBench file from
-kernels/kernelbench_model.py, the first two sections and ModelNew) -> command line.
+gather_across_ranks -> export (this file with its sources inlined, or the benchmark file: its
+template's own part, the first two sections and ModelNew) -> command line.
 
 Semantics are torch's (see README.md): d(x, y) = ||x - y + eps||_p over the last dim,
 loss_i = max(margin + d(a_i, p_i) - d(a_i, n_i), 0), swap uses min(d(a, n), d(p, n)).
@@ -22,6 +22,7 @@ goes to torch's own triplet_margin_loss.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import hashlib
 import inspect
@@ -296,10 +297,10 @@ def _finish_loading(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Op registration: the schemas, CUDA kernels and the forward's autograd (whose backward is the
-# fused backward op) live in C++ (kernels/triplet_ops.cpp); the
-# fake kernels (shapes and dtypes only, for torch.compile and FakeTensor) and the clamp_min
-# convention the backward follows are registered here once the library is loaded.
+# Op registration: the schemas, CUDA kernels and autograd (whose backward is the fused backward
+# op) live in C++ (kernels/registration.cpp registers every op); the fake kernels (shapes and
+# dtypes only, for torch.compile and FakeTensor) and the clamp_min convention the backward
+# follows are registered here once the library is loaded.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -363,6 +364,7 @@ def _after_load(path: str) -> None:
     global _TRIPLET_OP
     internal = torch.ops.fused_triplet_internal
     internal.set_hinge_at_zero(_hinge_passes_at_zero())  # the C++ side keeps it
+    atexit.register(internal.release_step_state)  # the one pass's device memory, while CUDA is up
     _TRIPLET_OP = torch.ops.fused_triplet.triplet_margin_loss.default
     torch.library.register_fake("fused_triplet::triplet_margin_loss")(_triplet_fake)
     torch.library.register_fake("fused_triplet::triplet_margin_loss_backward")(
@@ -544,7 +546,7 @@ class ModelNew(torch.nn.Module):
         self.margin = margin
 
     def forward(self, anchor: Tensor, positive: Tensor, negative: Tensor) -> Tensor:
-        """The mean triplet margin loss (p = 2, eps = 1e-6), as KernelBench's Model."""
+        """The mean triplet margin loss (p = 2, eps = 1e-6), as the problem's Model."""
         return triplet_margin_loss(anchor, positive, negative, margin=self.margin)
 
 
@@ -1135,7 +1137,7 @@ def gather_across_ranks(embeddings: Tensor, labels: Tensor, group=None) -> tuple
 
 # ---------------------------------------------------------------------------------------------
 # One-file export: this module with the kernel sources inlined, for copying into a project or
-# submitting to KernelBench (level 1 problem 99 takes `ModelNew`).
+# submitting to the benchmark (whose problem takes `ModelNew`).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1145,7 +1147,7 @@ def _python_literal(text: str) -> str:
     return repr(text)
 
 
-_SECOND_FILE_ONLY = "// kernelbench-only: "  # a line of code the KernelBench file alone holds
+_SECOND_FILE_ONLY = "// kernelbench-only: "  # a line of code the benchmark file alone holds
 
 
 def _forward_only(name: str, text: str) -> str:
@@ -1166,7 +1168,7 @@ def _forward_only(name: str, text: str) -> str:
 
 
 _BANNER = "# " + "-" * 93 + "\n"
-_TEMPLATE = "kernelbench_model.py"  # the KernelBench file's own part, in the kernel folder
+_TEMPLATE = "kernelbench_model.py"  # the benchmark file's own part, in the kernel folder
 
 
 def _with_sources(text: str, sources: dict) -> str:

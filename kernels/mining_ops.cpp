@@ -462,39 +462,4 @@ int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mi
 
 }  // namespace
 }  // namespace fused_triplet
-
-TORCH_LIBRARY_FRAGMENT(fused_triplet, m) {
-  // In-batch mining, p = 2; labels int64 (the Python side converts any integer dtype); mining 0
-  // batch_hard, 1 batch_all; reduction as at::Reduction (0 none, 1 mean, 2 sum); the loss rule
-  // as rule_of reads it; references: the last rows are a reference set (MiningChunk's). Returns
-  // (loss, count, state): mined_loss_cuda says what each holds.
-  m.def("mined_triplet_loss(Tensor embeddings, Tensor labels, int mining, float margin, "
-        "float eps, int reduction, bool for_backward=False, int distance=0, int hinge=0, "
-        "int counting=0, int band=0, float band_margin=0., int references=0) "
-        "-> (Tensor, Tensor, Tensor)");
-  m.def("mined_triplet_loss_backward(Tensor grad, Tensor embeddings, Tensor labels, "
-        "Tensor count, Tensor state, int mining, float margin, float eps, int reduction, "
-        "bool hinge_at_zero, int distance=0, int hinge=0, int counting=0, int band=0, "
-        "float band_margin=0., int references=0) -> Tensor");
-}
-
-TORCH_LIBRARY_FRAGMENT(fused_triplet_internal, m) {
-  // The largest batch the plan keeps whole (the fake kernel's shape of batch_all's state).
-  m.def("mining_whole_rows(int mining) -> int", &fused_triplet::mining_whole_rows);
-  // Tests: batch_hard's large-batch mining alone.
-  m.def("mine_batch_hard(Tensor embeddings, Tensor labels, float eps) -> (Tensor, Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
-  m.impl("mined_triplet_loss", &fused_triplet::mined_loss_cuda);
-  m.impl("mined_triplet_loss_backward", &fused_triplet::mined_loss_backward_cuda);
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet_internal, CUDA, m) {
-  m.impl("mine_batch_hard", &fused_triplet::mine_batch_hard_cuda);
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet, Autograd, m) {
-  m.impl("mined_triplet_loss", &fused_triplet::mined_loss_autograd);
-}
 // library-only }

@@ -1,5 +1,6 @@
-// The torch side of fused_triplet: input checks, outputs, the op schemas with their CUDA kernels,
-// autograd and autocast. Compiled by the host compiler; the kernels sit behind triplet_launch.h.
+// The torch side of fused_triplet: input checks, outputs, the ops' CUDA kernels, autograd and
+// autocast (registration.cpp registers them). Compiled by the host compiler; the kernels sit
+// behind triplet_launch.h.
 //
 // Autograd is in C++ (registered for the Autograd key) rather than Python: on small inputs a
 // Python autograd layer took more host time per training step than the kernels took on the GPU.
@@ -36,6 +37,7 @@
 #include <cstring>
 #include <functional>
 #include <unordered_map>
+#include <vector>
 
 namespace fused_triplet {
 namespace {
@@ -175,50 +177,40 @@ LaunchPlan backward_plan(const TripletProblem& pr, int64_t family, bool after_on
 // checks the prediction on the GPU: no host sync, and a wrong prediction costs only time.
 
 constexpr int kPlacesPerStep = 8;      // losses of one problem per step that get a prediction
-constexpr size_t kMaxProblems = 4096;  // problems that get one (each holds 64 bytes on the GPU)
+constexpr size_t kMaxProblems = 4096;  // problems kept (each holds 64 bytes on the GPU); then anew
 
-struct ProblemKey {
-  int device;
-  int64_t rows, dim;
-  int dtype;
-  bool float32_loss, swap;
-  int64_t reduction;
-  uint64_t margin, p_norm, eps;  // bits
-  bool operator==(const ProblemKey& o) const {
-    return device == o.device && rows == o.rows && dim == o.dim && dtype == o.dtype &&
-           float32_loss == o.float32_loss && swap == o.swap && reduction == o.reduction &&
-           margin == o.margin && p_norm == o.p_norm && eps == o.eps;
-  }
-};
+// A problem: device, rows, dim, dtype, float32_loss, swap, reduction and the bits of margin, p
+// and eps. An array, so that an autograd node can keep it as a list of ints.
+using ProblemKey = std::array<int64_t, 10>;
 
 struct ProblemKeyHash {
   size_t operator()(const ProblemKey& k) const {
-    const uint64_t words[] = {static_cast<uint64_t>(k.device), static_cast<uint64_t>(k.rows),
-                              static_cast<uint64_t>(k.dim), static_cast<uint64_t>(k.dtype),
-                              static_cast<uint64_t>(k.float32_loss * 2 + k.swap),
-                              static_cast<uint64_t>(k.reduction), k.margin, k.p_norm, k.eps};
     size_t h = 0;
-    for (uint64_t w : words) h = h * 1000003u ^ std::hash<uint64_t>{}(w);
+    for (int64_t w : k) h = h * 1000003u ^ std::hash<int64_t>{}(w);
     return h;
   }
 };
 
 ProblemKey key_of(const TripletProblem& pr, int device) {
-  ProblemKey k{device, pr.rows, pr.dim, static_cast<int>(pr.dtype), pr.float32_loss, pr.swap,
+  ProblemKey k{device, pr.rows, pr.dim, static_cast<int64_t>(pr.dtype), pr.float32_loss, pr.swap,
                pr.reduction, 0, 0, 0};
-  std::memcpy(&k.margin, &pr.margin, 8);
-  std::memcpy(&k.p_norm, &pr.p_norm, 8);
-  std::memcpy(&k.eps, &pr.eps, 8);
+  std::memcpy(&k[7], &pr.margin, 8);
+  std::memcpy(&k[8], &pr.p_norm, 8);
+  std::memcpy(&k[9], &pr.eps, 8);
   return k;
 }
 
+// A problem's histories (kPlacesPerStep UpstreamHistory on its device; an autograd node that
+// reads one holds the tensor too, so dropping an entry frees nothing in use) and the place of its
+// next forward.
 struct StepPlaces {
-  at::Tensor histories;  // kPlacesPerStep UpstreamHistory on the problem's device
-  int next = 0;          // the place of the problem's next forward
+  at::Tensor histories;
+  int next = 0;
 };
 
 std::mutex places_mutex;
-// Never freed: its tensors must outlive nothing at exit (CUDA may be torn down first).
+// Emptied by release_step_state, which the Python side calls at exit: a static destructor could
+// run after CUDA is torn down, so the map itself is never destroyed.
 auto* const step_places = new std::unordered_map<ProblemKey, StepPlaces, ProblemKeyHash>();
 
 bool capturing(cudaStream_t stream) {
@@ -228,47 +220,55 @@ bool capturing(cudaStream_t stream) {
   return err != cudaSuccess || status != cudaStreamCaptureStatusNone;
 }
 
-// The places of a problem, made on first use (not during a CUDA graph capture, where copying
-// the initial history would break it; nullptr then, or past kMaxProblems problems).
-StepPlaces* places_of(const ProblemKey& key, const at::Tensor& on, cudaStream_t stream) {
-  const std::lock_guard<std::mutex> lock(places_mutex);
-  const auto it = step_places->find(key);
-  if (it != step_places->end()) return &it->second;
-  if (step_places->size() >= kMaxProblems || capturing(stream)) return nullptr;
-  // Until a backward says otherwise, each place predicts an upstream gradient of 1.
-  std::array<UpstreamHistory, kPlacesPerStep> initial;
-  initial.fill(UpstreamHistory{1.0f, 1u});
-  const at::Tensor host = at::from_blob(initial.data(), {kPlacesPerStep * 2},
-                                        at::TensorOptions().dtype(at::kInt));
-  StepPlaces places;
-  places.histories = host.to(on.device());
-  return &step_places->emplace(key, std::move(places)).first->second;
-}
+// A training forward's place in its problem's step: the problem's histories and the place's index
+// in them (forwards past the last place share it: gradcheck's, or a loss never differentiated,
+// predict no worse than two passes).
+struct StepPlace {
+  at::Tensor histories;  // undefined: no place
+  int index = 0;
+  UpstreamHistory* history() const {
+    return histories.defined() ? static_cast<UpstreamHistory*>(histories.data_ptr()) + index
+                               : nullptr;
+  }
+};
 
-// The history of the next place of a problem's step (forwards past the last place share it:
-// gradcheck's, or a loss never differentiated, predict no worse than two passes).
-UpstreamHistory* take_place(StepPlaces* places) {
+// The next place of a problem's step. A problem's histories are made on first use (not during a
+// CUDA graph capture, where copying the initial history would break it: no place then).
+StepPlace take_place(const ProblemKey& key, const at::Tensor& on, cudaStream_t stream) {
   const std::lock_guard<std::mutex> lock(places_mutex);
-  const int place = std::min(places->next, kPlacesPerStep - 1);
-  places->next = place + 1;
-  return static_cast<UpstreamHistory*>(places->histories.data_ptr()) + place;
+  auto it = step_places->find(key);
+  if (it == step_places->end()) {
+    if (capturing(stream)) return {};
+    if (step_places->size() >= kMaxProblems) step_places->clear();
+    // Until a backward says otherwise, each place predicts an upstream gradient of 1.
+    std::array<UpstreamHistory, kPlacesPerStep> initial;
+    initial.fill(UpstreamHistory{1.0f, 1u});
+    const at::Tensor host = at::from_blob(initial.data(), {kPlacesPerStep * 2},
+                                          at::TensorOptions().dtype(at::kInt));
+    it = step_places->emplace(key, StepPlaces{host.to(on.device()), 0}).first;
+  }
+  const int index = std::min(it->second.next, kPlacesPerStep - 1);
+  it->second.next = index + 1;
+  return {it->second.histories, index};
 }
 
 // A backward of the problem: its next forward begins a step.
-void end_step(StepPlaces* places) {
+void end_step(const ProblemKey& key) {
   const std::lock_guard<std::mutex> lock(places_mutex);
-  places->next = 0;
+  const auto it = step_places->find(key);
+  if (it != step_places->end()) it->second.next = 0;
 }
 
 // ---- forward -----------------------------------------------------------------------------------
 
 struct ForwardResult {
   at::Tensor loss, dists;
-  StepPlaces* places = nullptr;       // a training forward's problem, whose backward ends a step
+  std::optional<ProblemKey> problem;  // a training forward's problem, whose backward ends a step
+  StepPlace place;                    // its place in the step
   bool one_pass = false;              // the one-pass kernel ran:
   std::array<at::Tensor, 3> grads;    // its gradients (undefined where not wanted),
-  at::Tensor predicted;               // per row the upstream gradient they assume,
-  UpstreamHistory* history = nullptr;  // and the history the backward updates
+  at::Tensor predicted;               // per row the upstream gradient they assume (the backward
+                                      // updates the place's history)
 };
 
 // The forward. wants: under autograd, the inputs that require grad (a training forward); where
@@ -299,14 +299,14 @@ ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
   const TripletProblem pr = make_problem(a, pos, neg, margin, p, eps, swap, reduction,
                                          float32_loss);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  bool write_grads = false;
-  if (wants[0] || wants[1] || wants[2]) {
-    out.places = places_of(key_of(pr, anchor.get_device()), anchor, stream);
+  // 'none' takes no place: its upstream gradient is per row, nothing to predict
+  if ((wants[0] || wants[1] || wants[2]) && reduction != kNone) {
+    out.problem = key_of(pr, anchor.get_device());
+    out.place = take_place(*out.problem, anchor, stream);
   }
-  if (reduction != kNone && out.places != nullptr) out.history = take_place(out.places);
-  write_grads = out.history != nullptr;
-  const LaunchPlan plan = forward_plan(pr, family, write_grads);
-  OnePassOutputs one_pass{nullptr, nullptr, nullptr, hinge_at_zero.load(), out.history, nullptr};
+  const LaunchPlan plan = forward_plan(pr, family, out.place.histories.defined());
+  OnePassOutputs one_pass{nullptr, nullptr, nullptr, hinge_at_zero.load(), out.place.history(),
+                          nullptr};
   if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
     out.one_pass = true;
     void** ptrs[3] = {&one_pass.grad_a, &one_pass.grad_p, &one_pass.grad_n};
@@ -455,8 +455,8 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
           {anchor.requires_grad(), positive.requires_grad(), negative.requires_grad()});
       loss = out.loss;
       dists = out.dists;
-      if (out.places != nullptr) {
-        ctx->saved_data["places"] = reinterpret_cast<int64_t>(out.places);
+      if (out.problem) {
+        ctx->saved_data["problem"] = std::vector<int64_t>(out.problem->begin(), out.problem->end());
       }
       if (out.one_pass) {
         // Kept outside the saved variables, and dropped by the backward that returns them, so
@@ -465,7 +465,8 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
           if (out.grads[k].defined()) ctx->saved_data[kHeldGrads[k]] = out.grads[k];
         }
         ctx->saved_data["predicted"] = out.predicted;
-        ctx->saved_data["history"] = reinterpret_cast<int64_t>(out.history);
+        ctx->saved_data["histories"] = out.place.histories;
+        ctx->saved_data["place"] = int64_t(out.place.index);
       }
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -491,9 +492,11 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
                                                  torch::autograd::variable_list grads) {
     torch::autograd::variable_list out(12);  // a, p, n; the nine options get none
     const at::Tensor& grad_loss = grads[0];
-    const auto places_it = ctx->saved_data.find("places");
-    if (places_it != ctx->saved_data.end()) {
-      end_step(reinterpret_cast<StepPlaces*>(places_it->second.toInt()));
+    if (const auto it = ctx->saved_data.find("problem"); it != ctx->saved_data.end()) {
+      const auto words = it->second.toIntVector();
+      ProblemKey key;
+      std::copy(words.begin(), words.end(), key.begin());
+      end_step(key);
     }
     if (!grad_loss.defined()) return out;
     const auto saved = ctx->get_saved_variables();
@@ -514,10 +517,11 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
       ctx->saved_data.erase(it);
     }
     at::Tensor predicted;
-    UpstreamHistory* history = nullptr;
+    StepPlace place;
     if (const auto it = ctx->saved_data.find("predicted"); it != ctx->saved_data.end()) {
       predicted = it->second.toTensor();
-      history = reinterpret_cast<UpstreamHistory*>(ctx->saved_data["history"].toInt());
+      place = {ctx->saved_data["histories"].toTensor(),
+               static_cast<int>(ctx->saved_data["place"].toInt())};
       ctx->saved_data.erase(it);
     }
     if (at::GradMode::is_enabled()) {
@@ -540,7 +544,7 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
     }
     if (predicted.defined()) {  // after the one pass: check its gradients, in place
       run_backward(grad_loss, saved[0], saved[1], saved[2], saved[3], margin, p, eps, swap,
-                   reduction, hinge_at_zero.load(), family, held, predicted, history);
+                   reduction, hinge_at_zero.load(), family, held, predicted, place.history());
       for (int k = 0; k < 3; ++k) out[k] = held[k];
       return out;
     }
@@ -589,9 +593,15 @@ std::tuple<at::Tensor, at::Tensor> forward_autocast(
 }
 
 
-// ---- tests' view ---------------------------------------------------------------------------------
+// ---- the library's plumbing and the tests' view -------------------------------------------------
 
 void set_hinge_at_zero(bool value) { hinge_at_zero.store(value); }
+
+// Every problem's histories freed (autograd nodes still holding one keep it).
+void release_step_state() {
+  const std::lock_guard<std::mutex> lock(places_mutex);
+  step_places->clear();
+}
 
 // Which kernels the ops would launch for these inputs (already broadcast to one shape), with the
 // families asked for: "forward ...; training ...; backward ...; training backward ..." (a one
@@ -639,58 +649,4 @@ at::Tensor upstream_history(const at::Tensor& anchor, const at::Tensor& positive
 bool hinge_passes_at_zero() { return hinge_at_zero.load(); }  // the mining backward's too
 
 }  // namespace fused_triplet
-
-TORCH_LIBRARY(fused_triplet, m) {
-  // Inputs: three tensors of one shape (..., D), dtype and CUDA device (the Python wrapper
-  // broadcasts and promotes them). Returns (loss, dists): loss has the batch shape for
-  // reduction 0 ('none') and is a scalar for 1 ('mean') and 2 ('sum'), in the input dtype
-  // (float32 for 2-byte inputs with float32_loss, as autocast sets it); dists is
-  // [2 or 3 (swap), rows] (d_ap, d_an, d_pn) in float (double for double inputs).
-  // forward_family / backward_family: -1 lets the plan choose; tests ask for a family (forward
-  // 0 rows, 1 ring, 2 one pass; backward 0 rows, 1 pointwise, 2 check after a one pass).
-  m.def(
-      "triplet_margin_loss(Tensor anchor, Tensor positive, Tensor negative, float margin, "
-      "float p, float eps, bool swap, int reduction, bool float32_loss=False, "
-      "int forward_family=-1, int backward_family=-1) -> (Tensor, Tensor)");
-  // The gradients of (anchor, positive, negative) given the loss's upstream gradient (in the
-  // loss's dtype) and the forward's dists; output_mask says which are needed (the others come
-  // back empty). hinge_at_zero: whether clamp_min passes the gradient at exactly 0 (torch <= 2.13
-  // does).
-  m.def(
-      "triplet_margin_loss_backward(Tensor grad, Tensor anchor, Tensor positive, "
-      "Tensor negative, Tensor dists, float margin, float p, float eps, bool swap, "
-      "int reduction, bool hinge_at_zero, bool[3] output_mask, int family=-1) "
-      "-> (Tensor, Tensor, Tensor)");
-}
-
-// The library's own plumbing and the tests' views, apart from the ops users call.
-TORCH_LIBRARY(fused_triplet_internal, m) {
-  // Tests: what the plans pick, and what the one pass predicts from.
-  m.def(
-      "describe_plans(Tensor anchor, Tensor positive, Tensor negative, float p, bool swap, "
-      "int forward_family=-1, int backward_family=-1) -> str");
-  m.def(
-      "upstream_history(Tensor anchor, Tensor positive, Tensor negative, float margin, float p, "
-      "float eps, bool swap, int reduction, bool float32_loss=False) -> Tensor");
-  // Set once when the library loads, from a probe of the installed torch.
-  m.def("set_hinge_at_zero(bool value) -> ()", &fused_triplet::set_hinge_at_zero);
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet, CUDA, m) {
-  m.impl("triplet_margin_loss", &fused_triplet::forward_cuda);
-  m.impl("triplet_margin_loss_backward", &fused_triplet::backward_cuda);
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet_internal, CUDA, m) {
-  m.impl("describe_plans", &fused_triplet::describe_plans);
-  m.impl("upstream_history", &fused_triplet::upstream_history);
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet, Autograd, m) {
-  m.impl("triplet_margin_loss", &fused_triplet::forward_autograd);
-}
-
-TORCH_LIBRARY_IMPL(fused_triplet, AutocastCUDA, m) {
-  m.impl("triplet_margin_loss", &fused_triplet::forward_autocast);
-}
 // library-only }

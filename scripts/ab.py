@@ -130,21 +130,35 @@ def main() -> int:
                     fns = {name: step_of(m) for name, m in modules.items()}
                     ctx = torch.enable_grad
                 with ctx():
-                    times = bench.time_interleaved(fns, inputs, args.rounds, 5)
-                ms = {name: statistics.median(t) for name, t in times.items()}
-                row = {"mode": mode, "shape": list(shape), "dtype": dtype_name, **ms,
-                       "new_over_base": ms["new"] / ms[first]}
-                rows.append(row)
-                print(f"{mode:>8} {'x'.join(map(str, shape)):>12} {dtype_name:>8} "
-                      + " ".join(f"{ms[n]:>9.4f}" for n in names)
-                      + f" {row['new_over_base']:>8.3f}", flush=True)
+                    row = timed_row({"mode": mode, "shape": list(shape), "dtype": dtype_name},
+                                    fns, inputs, first, args.rounds, 5)
                 del inputs
-                torch.cuda.empty_cache()
+                report(rows, row, f"{mode:>8} {'x'.join(map(str, shape)):>12} {dtype_name:>8} "
+                       + " ".join(f"{row[n]:>9.4f}" for n in names))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(0), "rows": rows}, f, indent=1)
     shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def timed_row(row: dict, fns: dict, inputs, first: str, rounds: int, warmup: int,
+              **timing) -> dict:
+    """row with each contender's median ms (bench.py's interleaved timing) and new / first."""
+    import bench
+
+    times = bench.time_interleaved(fns, inputs, rounds, warmup, **timing)
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    return {**row, **ms, "new_over_base": ms["new"] / ms[first]}
+
+
+def report(rows: list, row: dict, cells: str) -> None:
+    """row kept and printed after its cells, with new / first; the case's memory released."""
+    import torch
+
+    rows.append(row)
+    print(f"{cells} {row['new_over_base']:>8.3f}", flush=True)
+    torch.cuda.empty_cache()
 
 
 def ab_mining(libraries: dict, first: str, rounds: int, shapes: str | None) -> list:
@@ -174,17 +188,12 @@ def ab_mining(libraries: dict, first: str, rounds: int, shapes: str | None) -> l
             fn(e, labels)
             e.grad = None
             extra[name] = bench.peak_extra(fn, e, labels)[1] / 2**20
-        times = bench.time_interleaved(fns, (e, labels), rounds if batch <= 16384 else 5, 2,
-                                       lead_factor=bench.MINING_LEAD_FACTOR)
-        ms = {name: statistics.median(t) for name, t in times.items()}
-        row = {"mode": f"mined {mining}", "shape": [batch, dim], "dtype": dtype_name, **ms,
-               "extra_mib": extra, "new_over_base": ms["new"] / ms[first]}
-        rows.append(row)
-        print(f"{mining:>10} {batch}x{dim:<5} {dtype_name:>6} "
-              + " ".join(f"{ms[n]:>9.4f} {extra[n]:>7.0f}" for n in libraries)
-              + f" {row['new_over_base']:>8.3f}", flush=True)
+        row = timed_row({"mode": f"mined {mining}", "shape": [batch, dim], "dtype": dtype_name,
+                         "extra_mib": extra}, fns, (e, labels), first,
+                        rounds if batch <= 16384 else 5, 2, lead_factor=bench.MINING_LEAD_FACTOR)
         del e
-        torch.cuda.empty_cache()
+        report(rows, row, f"{mining:>10} {batch}x{dim:<5} {dtype_name:>6} "
+               + " ".join(f"{row[n]:>9.4f} {extra[n]:>7.0f}" for n in libraries))
     return rows
 
 

@@ -190,6 +190,27 @@ def test_problems_that_shared_a_slot_keep_their_own():
         assert history(x, **kw)[0] == (w, True)
 
 
+def test_state_released_under_a_pending_backward():
+    """The one pass's state is freed on release (the library does it at exit); a forward
+    taken before still owns its place, so its backward updates memory that is still its own,
+    and the next steps start the problem's history anew, with the two-pass bits."""
+    inputs = rand_triplet((512, 256), torch.float32, DEV, seed=11)
+    kw = dict(margin=0.4375)
+    two = step(inputs, weight=0.5, forward=ROWS, **kw)
+    for _ in range(3):
+        assert_same_bits(step(inputs, weight=0.5, **kw), two)
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    loss = fused_loss(*xs, **kw)  # predicts 0.5 from the state about to be released
+    ft._internal_ops().release_step_state()
+    assert history(inputs, **kw) == []
+    (loss * 0.5).backward()
+    assert_same_bits((loss.detach(), [x.grad for x in xs]), two)
+    assert history(inputs, **kw) == []  # the released place's update went to the node's copy
+    for _ in range(3):
+        assert_same_bits(step(inputs, weight=0.5, **kw), two)
+    assert history(inputs, **kw)[0] == (0.5, True)
+
+
 def test_several_streams_same_bits():
     """One problem trained on two streams at once with other weights: predictions race, the
     gradients stay the two-pass path's."""
