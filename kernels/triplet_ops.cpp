@@ -37,7 +37,6 @@
 #include <cstring>
 #include <functional>
 #include <unordered_map>
-#include <vector>
 
 namespace fused_triplet {
 namespace {
@@ -180,7 +179,7 @@ constexpr int kPlacesPerStep = 8;      // losses of one problem per step that ge
 constexpr size_t kMaxProblems = 4096;  // problems kept (each holds 64 bytes on the GPU); then anew
 
 // A problem: device, rows, dim, dtype, float32_loss, swap, reduction and the bits of margin, p
-// and eps. An array, so that an autograd node can keep it as a list of ints.
+// and eps.
 using ProblemKey = std::array<int64_t, 10>;
 
 struct ProblemKeyHash {
@@ -200,10 +199,11 @@ ProblemKey key_of(const TripletProblem& pr, int device) {
   return k;
 }
 
-// A problem's histories (kPlacesPerStep UpstreamHistory on its device; an autograd node that
-// reads one holds the tensor too, so dropping an entry frees nothing in use) and the place of its
-// next forward.
-struct StepPlaces {
+// A problem's histories (kPlacesPerStep UpstreamHistory on its device) and the place of its next
+// forward. The map and the autograd nodes of its training forwards share it (a capsule in the
+// node), so dropping it from the map frees nothing a node still reads.
+struct StepPlaces : torch::CustomClassHolder {
+  explicit StepPlaces(at::Tensor h) : histories(std::move(h)) {}
   at::Tensor histories;
   int next = 0;
 };
@@ -211,7 +211,8 @@ struct StepPlaces {
 std::mutex places_mutex;
 // Emptied by release_step_state, which the Python side calls at exit: a static destructor could
 // run after CUDA is torn down, so the map itself is never destroyed.
-auto* const step_places = new std::unordered_map<ProblemKey, StepPlaces, ProblemKeyHash>();
+auto* const step_places =
+    new std::unordered_map<ProblemKey, c10::intrusive_ptr<StepPlaces>, ProblemKeyHash>();
 
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -220,15 +221,13 @@ bool capturing(cudaStream_t stream) {
   return err != cudaSuccess || status != cudaStreamCaptureStatusNone;
 }
 
-// A training forward's place in its problem's step: the problem's histories and the place's index
-// in them (forwards past the last place share it: gradcheck's, or a loss never differentiated,
-// predict no worse than two passes).
+// A training forward's place in its problem's step (forwards past the last place share it:
+// gradcheck's, or a loss never differentiated, predict no worse than two passes).
 struct StepPlace {
-  at::Tensor histories;  // undefined: no place
+  c10::intrusive_ptr<StepPlaces> places;  // null: no place
   int index = 0;
   UpstreamHistory* history() const {
-    return histories.defined() ? static_cast<UpstreamHistory*>(histories.data_ptr()) + index
-                               : nullptr;
+    return places ? static_cast<UpstreamHistory*>(places->histories.data_ptr()) + index : nullptr;
   }
 };
 
@@ -245,26 +244,25 @@ StepPlace take_place(const ProblemKey& key, const at::Tensor& on, cudaStream_t s
     initial.fill(UpstreamHistory{1.0f, 1u});
     const at::Tensor host = at::from_blob(initial.data(), {kPlacesPerStep * 2},
                                           at::TensorOptions().dtype(at::kInt));
-    it = step_places->emplace(key, StepPlaces{host.to(on.device()), 0}).first;
+    it = step_places->emplace(key, c10::make_intrusive<StepPlaces>(host.to(on.device()))).first;
   }
-  const int index = std::min(it->second.next, kPlacesPerStep - 1);
-  it->second.next = index + 1;
-  return {it->second.histories, index};
+  StepPlaces& places = *it->second;
+  const int index = std::min(places.next, kPlacesPerStep - 1);
+  places.next = index + 1;
+  return {it->second, index};
 }
 
 // A backward of the problem: its next forward begins a step.
-void end_step(const ProblemKey& key) {
+void end_step(StepPlaces& places) {
   const std::lock_guard<std::mutex> lock(places_mutex);
-  const auto it = step_places->find(key);
-  if (it != step_places->end()) it->second.next = 0;
+  places.next = 0;
 }
 
 // ---- forward -----------------------------------------------------------------------------------
 
 struct ForwardResult {
   at::Tensor loss, dists;
-  std::optional<ProblemKey> problem;  // a training forward's problem, whose backward ends a step
-  StepPlace place;                    // its place in the step
+  StepPlace place;                    // a training forward's place (its backward ends the step)
   bool one_pass = false;              // the one-pass kernel ran:
   std::array<at::Tensor, 3> grads;    // its gradients (undefined where not wanted),
   at::Tensor predicted;               // per row the upstream gradient they assume (the backward
@@ -301,10 +299,9 @@ ForwardResult run_forward(const at::Tensor& anchor, const at::Tensor& positive,
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // 'none' takes no place: its upstream gradient is per row, nothing to predict
   if ((wants[0] || wants[1] || wants[2]) && reduction != kNone) {
-    out.problem = key_of(pr, anchor.get_device());
-    out.place = take_place(*out.problem, anchor, stream);
+    out.place = take_place(key_of(pr, anchor.get_device()), anchor, stream);
   }
-  const LaunchPlan plan = forward_plan(pr, family, out.place.histories.defined());
+  const LaunchPlan plan = forward_plan(pr, family, out.place.places.defined());
   OnePassOutputs one_pass{nullptr, nullptr, nullptr, hinge_at_zero.load(), out.place.history(),
                           nullptr};
   if (plan.family == static_cast<int>(ForwardFamily::kOnePass)) {
@@ -455,8 +452,9 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
           {anchor.requires_grad(), positive.requires_grad(), negative.requires_grad()});
       loss = out.loss;
       dists = out.dists;
-      if (out.problem) {
-        ctx->saved_data["problem"] = std::vector<int64_t>(out.problem->begin(), out.problem->end());
+      if (out.place.places) {
+        ctx->saved_data["places"] = c10::IValue::make_capsule(out.place.places);
+        ctx->saved_data["place"] = int64_t(out.place.index);
       }
       if (out.one_pass) {
         // Kept outside the saved variables, and dropped by the backward that returns them, so
@@ -465,8 +463,6 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
           if (out.grads[k].defined()) ctx->saved_data[kHeldGrads[k]] = out.grads[k];
         }
         ctx->saved_data["predicted"] = out.predicted;
-        ctx->saved_data["histories"] = out.place.histories;
-        ctx->saved_data["place"] = int64_t(out.place.index);
       }
     } else {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -492,11 +488,11 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
                                                  torch::autograd::variable_list grads) {
     torch::autograd::variable_list out(12);  // a, p, n; the nine options get none
     const at::Tensor& grad_loss = grads[0];
-    if (const auto it = ctx->saved_data.find("problem"); it != ctx->saved_data.end()) {
-      const auto words = it->second.toIntVector();
-      ProblemKey key;
-      std::copy(words.begin(), words.end(), key.begin());
-      end_step(key);
+    StepPlace place;
+    if (const auto it = ctx->saved_data.find("places"); it != ctx->saved_data.end()) {
+      place = {c10::static_intrusive_pointer_cast<StepPlaces>(it->second.toCapsule()),
+               static_cast<int>(ctx->saved_data["place"].toInt())};
+      end_step(*place.places);
     }
     if (!grad_loss.defined()) return out;
     const auto saved = ctx->get_saved_variables();
@@ -517,11 +513,8 @@ class TripletMarginLossFunction : public torch::autograd::Function<TripletMargin
       ctx->saved_data.erase(it);
     }
     at::Tensor predicted;
-    StepPlace place;
     if (const auto it = ctx->saved_data.find("predicted"); it != ctx->saved_data.end()) {
       predicted = it->second.toTensor();
-      place = {ctx->saved_data["histories"].toTensor(),
-               static_cast<int>(ctx->saved_data["place"].toInt())};
       ctx->saved_data.erase(it);
     }
     if (at::GradMode::is_enabled()) {
@@ -641,7 +634,7 @@ at::Tensor upstream_history(const at::Tensor& anchor, const at::Tensor& positive
   const std::lock_guard<std::mutex> lock(places_mutex);
   const auto it = step_places->find(key);
   if (it == step_places->end()) return at::empty({0, 2}, anchor.options().dtype(at::kInt));
-  return it->second.histories.view({kPlacesPerStep, 2}).clone();
+  return it->second->histories.view({kPlacesPerStep, 2}).clone();
 }
 
 }  // namespace
