@@ -53,10 +53,10 @@
 namespace fused_triplet {
 
 // ==== The launch table: every threshold and size the plans and kernels use, with its reason. ====
+// (A reason covering several constants declares them together.)
 // Measured on the H200: docs/performance.md's decision record has each one's numbers.
 // Teams: 8 threads, a warp or the whole block per row (a team's packs are coalesced).
-constexpr int kSmallTeam = 8;
-constexpr int kWarpTeam = 32;
+constexpr int kSmallTeam = 8, kWarpTeam = 32;
 // Rows of <= 64 packs (1 KiB) take teams of 8 (<= 8 packs each): at 16 packs a warp was faster.
 constexpr int64_t kSmallTeamMaxPacks = 64;
 // Rows of <= 512 packs (8 KiB) take a warp (<= 16 packs each): whole blocks from 4 KiB were slower.
@@ -67,8 +67,7 @@ constexpr int64_t kWarpMaxPacks = 512;
 constexpr int64_t kFillBlocks = 1024;
 // Split rows aim at this many slices, each of at least 32 KiB per input (shorter slices are not
 // worth the finishing kernel's second look).
-constexpr int64_t kSplitBlocks = 512;
-constexpr int64_t kMinSliceBytes = 32 * 1024;
+constexpr int64_t kSplitBlocks = 512, kMinSliceBytes = 32 * 1024;
 // Past this many blocks a kernel's blocks loop over units; bounds the block-sum buffer too.
 constexpr int64_t kMaxGrid = int64_t(1) << 20;
 // 2-byte elements are summed in float over a thread's 4 packs at a time (32 elements: float's
@@ -83,9 +82,7 @@ constexpr int kForwardUnrollElems = 16;
 // Blocks per SM the rows kernel's registers must allow, the most without spills: compiled-in
 // teams on sm_90 at 4 (64 registers; 3 was slower on small inputs), other targets at 3 (ptxas's
 // own target spills a few bytes); run-time teams at 2.
-constexpr int kRowsMinBlocksSm90 = 4;
-constexpr int kRowsMinBlocksOther = 3;
-constexpr int kRowsMinBlocksRunTimeTeam = 2;
+constexpr int kRowsMinBlocksSm90 = 4, kRowsMinBlocksOther = 3, kRowsMinBlocksRunTimeTeam = 2;
 // The forward ring for whole-block teams from rows of 8 KiB (sm_90, 16-byte aligned).
 constexpr int64_t kRingMinRowBytes = 8192;
 // Its tiles for float32 teams of 8 and 32 from 256 MiB per input, rows a whole number of stages:
@@ -94,9 +91,7 @@ constexpr int64_t kRingTilesMinInputBytes = int64_t(256) << 20;
 // 4 stages x 3 inputs x 8 KiB = 96 KiB: 2 blocks per SM (rings of 1 block per SM were slower).
 // 2-byte whole rows take 4 KiB chunks: with 8 KiB a bf16 row of 8192 is 2 chunks, and each
 // block's ring ran dry at each row's end.
-constexpr int kRingStages = 4;
-constexpr int kRingChunkBytes = 8192;
-constexpr int kRingChunkBytesShortElems = 4096;
+constexpr int kRingStages = 4, kRingChunkBytes = 8192, kRingChunkBytesShortElems = 4096;
 // A tile's row is at most 256 elements (the copy engine's limit).
 constexpr int64_t kTileMaxCols = 256;
 // The finishing kernel: one block; its input is at most kMaxGrid block sums or 512 split rows.
@@ -108,20 +103,17 @@ constexpr int kMaxDevices = 64;
 constexpr int kBackwardRowsMinBlocks = 1;
 // The pointwise backward as Triton's: 128-thread blocks, 2 packs of each input per thread, all
 // loads first.
-constexpr int kPointwiseThreads = 128;
-constexpr int kPointwisePacks = 2;
+constexpr int kPointwiseThreads = 128, kPointwisePacks = 2;
 // Without swap it fits 64 registers: 8 blocks per SM (at 7, weighted bf16 backwards were
 // slower); with swap 64 spill, so no cap.
-constexpr int kPointwiseMinBlocks = 8;
-constexpr int kPointwiseMinBlocksSwap = 1;
+constexpr int kPointwiseMinBlocks = 8, kPointwiseMinBlocksSwap = 1;
 // Its pack indices are 32-bit: larger inputs take the rows kernel (and two passes).
 constexpr int64_t kPointwiseMaxPacks = int64_t(1) << 31;
 // One pass: a thread keeps its packs of each input in shared memory (12 KiB per block per pack)
 // until its row's distances are known; at most 16, where the GPU's shared memory per block holds
 // them (an H100/H200: 192 KiB, 1 block per SM, about as fast as 8 packs at 2 blocks); longer rows
 // take two passes. A block's own static shared memory stays under kOnePassStaticSmem.
-constexpr int64_t kOnePassPacks = 16;
-constexpr int64_t kOnePassStaticSmem = 1024;
+constexpr int64_t kOnePassPacks = 16, kOnePassStaticSmem = 1024;
 // Its registers: 64 (4 blocks' worth), no spills; shared memory holds 1-2 blocks per SM anyway,
 // so the cap only keeps the compiler from spending more.
 constexpr int kOnePassMinBlocks = 4;

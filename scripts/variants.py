@@ -19,13 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 RING = "if (ring_pays(pr, g) && !forward_unfit(pr, g, ForwardFamily::kRing)) {"
-CHUNK = "constexpr int kRingChunkBytes = 8192;"
-STAGES = "constexpr int kRingStages = 4;"
+CHUNK = "kRingChunkBytes = 8192,"
+STAGES = "kRingStages = 4,"
 UNROLL = "constexpr int kForwardUnrollElems = 16;"
-ROWS_BLOCKS = "constexpr int kRowsMinBlocksSm90 = 4;"
-SPLIT_BLOCKS = "constexpr int64_t kSplitBlocks = 512;"
+ROWS_BLOCKS = "kRowsMinBlocksSm90 = 4,"
+SPLIT_BLOCKS = "kSplitBlocks = 512,"
 FILL = "constexpr int64_t kFillBlocks = 1024;"
-PW_PACKS = "constexpr int kPointwisePacks = 2;"
+PW_PACKS = "kPointwisePacks = 2;"
 FOLD = "constexpr int kFoldPacks = 4;"
 
 VARIANTS = {
@@ -34,7 +34,7 @@ VARIANTS = {
     "ring_chunk_4k": [(CHUNK, CHUNK.replace("8192", "4096"))],
     "ring_stages_6": [(STAGES, STAGES.replace("4", "6"))],
     "fwd_unroll_8_elems": [(UNROLL, UNROLL.replace("16;", "8;"))],
-    "rows_3_blocks": [(ROWS_BLOCKS, ROWS_BLOCKS.replace("4;", "3;"))],
+    "rows_3_blocks": [(ROWS_BLOCKS, ROWS_BLOCKS.replace("4,", "3,"))],
     "split_blocks1024": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "1024"))],
     "split_blocks256": [(SPLIT_BLOCKS, SPLIT_BLOCKS.replace("512", "256"))],
     "fill_512": [(FILL, FILL.replace("1024", "512"))],
