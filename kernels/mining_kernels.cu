@@ -14,8 +14,7 @@
 //   hard_gradient_kernel  batch_hard's gradient: every row written once, no gathers.
 //   batch_all_kernel      batch_all: per anchor, the sum and count of relu(margin + d_ap - d_an)
 //                         over its (positive, negative) pairs; the weights d loss / d d(i, c) / d.
-//   all_gradient_kernel   batch_all's gradient from the whole batch's weights, tiled (small
-//                         batches in column splits, then sum_splits_kernel).
+//   all_gradient_kernel   batch_all's gradient from the whole batch's weights, tiled.
 //   mined_total_kernel    'mean' / 'sum' and the count, one block.
 //   unit_rows_kernel, unit_rows_backward_kernel
 //                         the rows scaled to unit length (the libraries' normalised
@@ -51,11 +50,6 @@ constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
 constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives
-// batch_all's gradient from the whole weights: a block per 64 x 64 tile of the gradient leaves
-// small batches a block or less per SM, so their columns c are split until about 4 blocks per SM
-// (an H100/H200-class GPU; a constant of the shape), the parts summed after in a fixed order.
-constexpr int64_t kGradientFillBlocks = 512;
-constexpr int64_t kMaxGradientSplits = 8;
 // batch_hard's gradient: a warp per row where that fills the GPU; from 8192 rows 8 rows a warp, so
 // one scan of the anchors serves 64 rows (the scans' reads grow as batch^2 / rows per block).
 constexpr int64_t kGradientSharedScanRows = 8192;
@@ -88,10 +82,6 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_who
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
   plan.tile = kTile;
   plan.gradient_rows_per_warp = batch >= kGradientSharedScanRows ? kGradientRowsPerWarp : 1;
-  const int64_t tiles = ((dim + kTile - 1) / kTile) * ((batch + kTile - 1) / kTile);
-  const int64_t steps = std::max<int64_t>((batch + kTileDepth - 1) / kTileDepth, 1);
-  plan.gradient_splits = int(std::clamp<int64_t>(
-      std::min(kGradientFillBlocks / std::max<int64_t>(tiles, 1), steps), 1, kMaxGradientSplits));
   return plan;
 }
 
@@ -904,10 +894,9 @@ __global__ void __launch_bounds__(kRowThreads)
 // grad_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps) with A[i, c] =
 // g_i weights[i, c], written as sum_c (A[m, c] + A[c, m]) (x_m - x_c) + eps (sum_c A[m, c] -
 // A[c, m]): each difference exact before it is scaled. Tiles of 64 rows x 64 elements, the
-// columns c staged 16 at a time, as distances_kernel; blockIdx.z takes the columns of one split
-// (of gridDim.z), whose part of the gradient goes to out + z * batch * dim.
+// columns c staged 16 at a time, as distances_kernel.
 __global__ void __launch_bounds__(kTileThreads)
-    all_gradient_kernel(MiningChunk chunk, const float* weights, Upstream up, float* out) {
+    all_gradient_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
   __shared__ __align__(16) float from_rows[kTileDepth][kTile + 4];  // A[m, c]
   __shared__ __align__(16) float from_columns[kTileDepth][kTile + 4];  // A[c, m]
   __shared__ __align__(16) float candidates[kTileDepth][kTile + 4];  // x_c
@@ -944,13 +933,8 @@ __global__ void __launch_bounds__(kTileThreads)
       next_candidates[q] = c2 < batch && k < dim ? x[c2 * dim + k] : 0.f;
     }
   };
-  const int64_t steps = (batch + kTileDepth - 1) / kTileDepth;
-  const int64_t per_split = (steps + gridDim.z - 1) / gridDim.z * kTileDepth;
-  const int64_t c_begin = blockIdx.z * per_split;
-  const int64_t c_end = c_begin + per_split < batch ? c_begin + per_split : batch;
-  float* grad = out + int64_t(blockIdx.z) * batch * dim;
-  if (c_begin < c_end) load(c_begin);
-  for (int64_t c0 = c_begin; c0 < c_end; c0 += kTileDepth) {
+  load(0);
+  for (int64_t c0 = 0; c0 < batch; c0 += kTileDepth) {
 #pragma unroll
     for (int q = 0; q < kLoads; ++q) {
       const int e = threadIdx.x + q * kTileThreads;
@@ -959,7 +943,7 @@ __global__ void __launch_bounds__(kTileThreads)
       candidates[e / kTile][e % kTile] = next_candidates[q];
     }
     __syncthreads();
-    if (c0 + kTileDepth < c_end) load(c0 + kTileDepth);
+    if (c0 + kTileDepth < batch) load(c0 + kTileDepth);
 #pragma unroll
     for (int cc = 0; cc < kTileDepth; ++cc) {
       const float4 a = *reinterpret_cast<const float4*>(&from_rows[cc][ty * 4]);
@@ -987,16 +971,6 @@ __global__ void __launch_bounds__(kTileThreads)
       if (k < dim) grad[m * dim + k] = fmaf(chunk.eps, skew[i], acc[i][j]);
     }
   }
-}
-
-// The gradient from its splits' parts (parts [splits, n]), added in split order.
-__global__ void __launch_bounds__(kRowThreads)
-    sum_splits_kernel(const float* parts, int splits, int64_t n, float* grad) {
-  const int64_t i = int64_t(blockIdx.x) * kRowThreads + threadIdx.x;
-  if (i >= n) return;
-  float sum = parts[i];
-  for (int z = 1; z < splits; ++z) sum += parts[z * n + i];
-  grad[i] = sum;
 }
 
 // One block: the sums of the per-anchor losses and counts in double, in a fixed order.
@@ -1136,19 +1110,10 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
 }
 
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                const float* weights, const Upstream& upstream, float* parts,
-                                float* grad, cudaStream_t stream) {
-  const dim3 grid((chunk.dim + plan.tile - 1) / plan.tile, (chunk.batch + plan.tile - 1) / plan.tile,
-                  plan.gradient_splits);
-  const bool split = plan.gradient_splits > 1;
-  all_gradient_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, weights, upstream,
-                                                         split ? parts : grad);
-  if (!split) return cudaGetLastError();
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return err;
-  const int64_t n = chunk.batch * chunk.dim;
-  sum_splits_kernel<<<(n + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
-      parts, plan.gradient_splits, n, grad);
+                                const float* weights, const Upstream& upstream, float* grad,
+                                cudaStream_t stream) {
+  const dim3 grid((chunk.dim + plan.tile - 1) / plan.tile, (chunk.batch + plan.tile - 1) / plan.tile);
+  all_gradient_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, weights, upstream, grad);
   return cudaGetLastError();
 }
 

@@ -49,7 +49,6 @@ struct MiningPlan {
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
   int tile;               // the tiled kernels' square tile of (row, column) pairs
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
-  int gradient_splits;         // batch_all's gradient from the whole weights: column splits
 };
 
 // allow_whole false: chunks at any batch (tests of the large batches' kernels).
@@ -135,11 +134,10 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
                              float* weights, cudaStream_t stream);
 
 // batch_all's gradient of the embeddings (float [batch, dim]) from the whole batch's weights
-// [batch, batch] (launch_batch_all's without the upstream gradient, applied here); parts:
-// [plan.gradient_splits, batch, dim] float scratch where the plan splits the columns (else unused).
+// [batch, batch] (launch_batch_all's without the upstream gradient, applied here).
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                const float* weights, const Upstream& upstream, float* parts,
-                                float* grad, cudaStream_t stream);
+                                const float* weights, const Upstream& upstream, float* grad,
+                                cudaStream_t stream);
 
 // The rows x [batch, dim] float scaled to unit length: unit = x / max(|x|, 1e-12) (the norm in
 // double), a warp per row.

@@ -356,12 +356,8 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                         out.data_ptr<float>(), call.stream));
   } else if (whole_weights) {
     out = at::empty(embeddings.sizes(), embeddings.options());
-    const at::Tensor parts = at::empty(
-        {plan.gradient_splits > 1 ? plan.gradient_splits * embeddings.numel() : 0},
-        embeddings.options());
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
-                                       parts.data_ptr<float>(), out.data_ptr<float>(),
-                                       call.stream));
+                                       out.data_ptr<float>(), call.stream));
   } else {
     out = batch_all_gradient_by_chunks(call, plan, up, margin, eps);
   }

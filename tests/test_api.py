@@ -212,7 +212,7 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
                        "forward_finish_kernel", "forward_one_pass_kernel", "forward_ring_kernel",
                        "forward_rows_kernel", "gram_rows_kernel", "hard_gradient_kernel",
                        "hard_loss_kernel", "hardest_kernel", "mined_total_kernel",
-                       "sum_splits_kernel", "unit_rows_backward_kernel", "unit_rows_kernel"], kernels
+                       "unit_rows_backward_kernel", "unit_rows_kernel"], kernels
 
 
 def test_build_is_marked_constant_as_torch_compile_marks_it():
