@@ -310,24 +310,18 @@ DROPIN_CASES = ([("sentence-transformers", v, 1024, 512) for v in (
 DROPIN_RESULTS = "results/h200_dropins.json"
 
 
-# Each drop-in's yardstick: our own mined loss of the family it is built on, on the same inputs.
+# The drop-ins built on batch_hard (the rest on batch_all), for our own mined loss beside each.
 HARDEST_VARIANTS = ("BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss", "BatchHardMiner")
-YARDSTICK = "fused_triplet {}"  # the contender's name, with the mining
 
 
 def dropin_steps(library, variant):
-    """{name: loss(embeddings, labels)} for ours, the library's and our yardstick (the plain
-    mined loss the variant builds on: batch_hard or batch_all), or a line why not."""
-    mining = "batch_hard" if variant in HARDEST_VARIANTS else "batch_all"
-    yardstick = {YARDSTICK.format(mining):
-                 lambda e, y: fused_triplet.mined_triplet_margin_loss(e, y, mining)}
+    """{name: loss(embeddings, labels)} for ours and the library's, or a line why not."""
     try:
         if library == "sentence-transformers":
             from sentence_transformers.sentence_transformer import losses as st
             theirs, ours = getattr(st, variant)(None), getattr(fused_triplet, variant)(None)
             return {"fused_triplet": lambda e, y: ours.compute_loss_from_embeddings([e], y),
-                    library: lambda e, y: theirs.compute_loss_from_embeddings([e], y),
-                    **yardstick}
+                    library: lambda e, y: theirs.compute_loss_from_embeddings([e], y)}
         from pytorch_metric_learning import distances, losses, miners
     except ImportError as error:
         return f"{library} is not installed ({error})"
@@ -338,8 +332,7 @@ def dropin_steps(library, variant):
              else miners.TripletMarginMiner(margin=0.2, type_of_triplets=variant,
                                             distance=distances.CosineSimilarity()))
     return {"fused_triplet": lambda e, y: fused_triplet.pml_triplet_loss(loss, miner, e, y),
-            library: lambda e, y: loss(e, y, None if miner is None else miner(e, y)),
-            **yardstick}
+            library: lambda e, y: loss(e, y, None if miner is None else miner(e, y))}
 
 
 def training_step(loss):
@@ -361,6 +354,9 @@ def bench_dropin(library, variant, batch, dim, rounds, warmup):
     base = {"library": library, "variant": str(variant), "shape": [batch, dim]}
     if isinstance(losses, str):
         return [dict(base, contender=library, skipped=losses)]
+    mining = "batch_hard" if variant in HARDEST_VARIANTS else "batch_all"
+    own = f"fused_triplet {mining}"  # our own mined loss of the family the drop-in builds on
+    losses[own] = lambda e, y: fused_triplet.mined_triplet_margin_loss(e, y, mining)
     steps, rows = {}, []
     for name, loss in losses.items():
         step = training_step(loss)
@@ -375,16 +371,16 @@ def bench_dropin(library, variant, batch, dim, rounds, warmup):
             row["failed"] = "out of memory"
             torch.cuda.empty_cache()
         rows.append(row)
-    # The library's steps disturb the one after them (its GiB freed and taken again), so the
-    # yardstick is timed against ours alone, in a second interleaved run.
-    own = {name: steps.pop(name) for name in list(steps) if name.startswith(YARDSTICK.format(""))}
+    # A step that follows the library's reads slower, so our own mined loss is timed against
+    # ours alone, in a second interleaved run.
+    own_step = steps.pop(own, None)
     times = time_synced(steps, (e, labels), rounds, warmup)
-    paired = time_synced({"fused_triplet": steps["fused_triplet"], **own}, (e, labels), rounds,
-                         warmup) if own and "fused_triplet" in steps else {}
+    paired = (time_synced({"fused_triplet": steps["fused_triplet"], own: own_step}, (e, labels),
+                          rounds, warmup) if own_step and "fused_triplet" in steps else {})
     for row in rows:
         name = row["contender"]
-        if name in own and name in paired:
-            row["step_ms"] = statistics.median(paired[name])
+        if name == own and paired:
+            row["step_ms"] = statistics.median(paired[own])
             row["over_own"] = statistics.median(paired["fused_triplet"]) / row["step_ms"]
         elif name in times:
             row["step_ms"] = statistics.median(times[name])
