@@ -3,6 +3,9 @@
 // exactly first). No atomics: the same inputs give the same bits.
 //   distances_kernel      exact distances of (anchor, candidate) tiles, torch's formula: the
 //                         whole batch x batch (small batches) or one chunk of anchors.
+//   centred_rows_kernel, gram_distances_kernel
+//                         batch_all, larger batches: the rows less their mean, and distances from
+//                         their float Gram products, exact where those are not accurate enough.
 //   hard_loss_kernel      batch_hard: per anchor its hardest positive and negative (from the
 //                         distances, or as hardest_kernel chose them), their distances in
 //                         double sums, the hinge.
@@ -42,6 +45,15 @@ constexpr int64_t kWholeAllRows = 4096;
 // Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
 // products stay large enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
+// batch_all (and semi_hard) from 2048 rows: distances from the float Gram products of the centred
+// rows (cuBLAS, about 3x the exact kernel's rate).
+constexpr int64_t kGramAllRows = 2048;
+// A Gram distance is kept where d^2 >= (|x~_i|^2 + |x~_c|^2) / 4: its error, about sqrt(D) 2^-24
+// (|x~_i|^2 + |x~_c|^2), is then within 4x the exact sum's; closer pairs get the exact distance.
+constexpr float kGramKeepRatio = 4.f;
+// Past the whole batch, batch_all's gradient takes its double products 512 rows of weights at a
+// time: 64 MiB at 16384 rows, and as fast as 2049 (about 55 TFLOP/s).
+constexpr int64_t kGradientPartRows = 512;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
 constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
@@ -49,7 +61,8 @@ constexpr int kDistanceUnroll = 8;  // exact distances: elements of each row a l
 constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
-constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives
+constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives,
+constexpr int kPositiveGroup = 8;     // ... taken 8 at a time (a register each per thread)
 // batch_hard's gradient: a warp per row where that fills the GPU; from 8192 rows 8 rows a warp, so
 // one scan of the anchors serves 64 rows (the scans' reads grow as batch^2 / rows per block).
 constexpr int64_t kGradientSharedScanRows = 8192;
@@ -81,6 +94,9 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_who
   // 16-byte groups only where every thread gets one: below, most warps would get no columns.
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
   plan.tile = kTile;
+  plan.gram_distances = mining != Mining::kBatchHard && batch >= kGramAllRows;
+  plan.gram_keep_ratio = kGramKeepRatio;
+  plan.gradient_part_rows = std::min(kGradientPartRows, plan.chunk_rows);
   plan.gradient_rows_per_warp = batch >= kGradientSharedScanRows ? kGradientRowsPerWarp : 1;
   return plan;
 }
@@ -465,6 +481,64 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
   }
 }
 
+// A warp per row: x~ = x - mean (float, the Gram products' rows) and its terms (|x~|^2, sum x~),
+// summed in double.
+__global__ void __launch_bounds__(kRowThreads)
+    centred_rows_kernel(const float* x, const float* mean, int64_t batch, int64_t dim,
+                        float* centred, float2* terms) {
+  const int64_t row = warp_row();
+  if (row >= batch) return;
+  const int lane = threadIdx.x % 32;
+  double square = 0.0, sum = 0.0;
+  for (int64_t k = lane; k < dim; k += 32) {
+    const float v = x[row * dim + k] - mean[k];
+    centred[row * dim + k] = v;
+    square += double(v) * v;
+    sum += v;
+  }
+  square = warp_all_reduce(square, Plus());
+  sum = warp_all_reduce(sum, Plus());
+  if (lane == 0) terms[row] = make_float2(float(square), float(sum));
+}
+
+// A block per anchor row, in place: the Gram products g = x~_i . x~_c of the chunk's rows become
+// the rule's distances, d^2 = |x~_i|^2 + |x~_c|^2 - 2 g + 2 eps (sum x~_i - sum x~_c) + D eps^2
+// (torch's |a - b + eps|^2). Where d^2 is below (|x~_i|^2 + |x~_c|^2) / keep_ratio (close pairs,
+// whose products cancel) or not finite, the warp computes the exact distance instead.
+__global__ void __launch_bounds__(kRowThreads)
+    gram_distances_kernel(MiningChunk chunk, const float2* terms, float keep_ratio, float* dists) {
+  const int64_t anchor = chunk.first + blockIdx.x, batch = chunk.batch;
+  const int lane = threadIdx.x % 32;
+  const float* a = chunk.embeddings + anchor * chunk.dim;
+  float* row = dists + int64_t(blockIdx.x) * batch;
+  const float2 mine = terms[anchor];
+  const double tail = double(chunk.dim) * chunk.eps * chunk.eps;
+  const auto distance = [&](float square) {
+    return chunk.rule.half_square ? square / 2 : sqrtf(square);
+  };
+  // whole warps walk the row, so each can take its lanes' exact distances together
+  for (int64_t c0 = threadIdx.x - lane; c0 < batch; c0 += kRowThreads) {
+    const int64_t c = c0 + lane;
+    float d = 0.f;
+    bool exact = false;
+    if (c < batch) {
+      const float2 theirs = terms[c];
+      const double norms = double(mine.x) + theirs.x;
+      const double square = norms - 2.0 * row[c] +
+                            2.0 * chunk.eps * (double(mine.y) - theirs.y) + tail;
+      exact = !(norms <= keep_ratio * square) || !(square <= DBL_MAX);
+      d = distance(float(square));
+    }
+    for (unsigned todo = __ballot_sync(0xffffffffu, exact); todo != 0; todo &= todo - 1) {
+      const int from = __ffs(todo) - 1;
+      const float square = exact_sq_distance(a, chunk.embeddings + (c0 + from) * chunk.dim,
+                                             chunk.dim, chunk.eps, lane);
+      if (lane == from) d = distance(square);
+    }
+    if (c < batch) row[c] = d;
+  }
+}
+
 // The candidates of one block: its best pick in thread 0 (beats is a total order, so the
 // butterfly's order does not matter).
 template <bool kLargest>
@@ -744,35 +818,56 @@ __device__ __forceinline__ TripletTerm triplet_term(const LossRule& rule, float 
   return {v > 0.f || v != v ? v : 0.f, v > 0.f ? 1.f : 0.f, v > floor};
 }
 
-// semi_hard's choice for each staged positive j of a row, a warp each: the nearest negative
-// farther than d(i, j) (the lowest column among equals), else the farthest one; its loss
-// max(margin + d(i, j) - d(i, n), 0) (d(i, n) 0 without negatives) into lane 0's sums. Where
-// weights are wanted, the positive's weight is its slope, and the slot then holds the chosen
-// column (staged, -1: none) and the slope (positive_d) for the negatives' weights.
+// semi_hard's choice for each staged positive j of a row: the nearest negative farther than
+// d(i, j) (the lowest column among equals), else the farthest one; its loss
+// max(margin + d(i, j) - d(i, n), 0) (d(i, n) 0 without negatives) into thread 0's sums. The
+// positives go kPositiveGroup at a time, each thread keeping its columns' best per positive.
+// Where weights are wanted, the positive's weight is its slope, and the slot then holds the
+// chosen column (staged, -1: none) and the slope (positive_d) for the negatives' weights.
 __device__ void choose_semi_hard(const MiningChunk& chunk, const float* d, int64_t my_id,
                                  float* positive_d, int64_t* staged, int filled, float* w,
                                  double& sum, int64_t& count) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int j = warp; j < filled; j += kRowThreads / 32) {
-    const float d_ap = positive_d[j];
-    Pick beyond{0.f, -1}, farthest{0.f, -1};
-    for (int64_t c = lane; c < chunk.batch; c += 32) {
+  __shared__ Pick scratch[kRowThreads / 32];
+  Pick farthest{0.f, -1};
+  for (int64_t c = threadIdx.x; c < chunk.batch; c += kRowThreads) {
+    const Pick candidate{d[c], c};
+    if (chunk.ids[c] != my_id && beats<true>(candidate, farthest)) farthest = candidate;
+  }
+  farthest = block_best<true>(farthest, scratch);  // thread 0's
+  __syncthreads();
+  for (int first = 0; first < filled; first += kPositiveGroup) {
+    const int group = min(kPositiveGroup, filled - first);
+    Pick beyond[kPositiveGroup];
+#pragma unroll
+    for (int j = 0; j < kPositiveGroup; ++j) beyond[j] = {0.f, -1};
+    for (int64_t c = threadIdx.x; c < chunk.batch; c += kRowThreads) {
       if (chunk.ids[c] == my_id) continue;
       const Pick candidate{d[c], c};
-      if (d[c] > d_ap && beats<false>(candidate, beyond)) beyond = candidate;
-      if (beats<true>(candidate, farthest)) farthest = candidate;
+#pragma unroll
+      for (int j = 0; j < kPositiveGroup; ++j) {
+        if (j >= group) break;
+        if (candidate.value > positive_d[first + j] && beats<false>(candidate, beyond[j])) {
+          beyond[j] = candidate;
+        }
+      }
     }
-    beyond = warp_all_reduce(beyond, [](Pick a, Pick b) { return beats<false>(b, a) ? b : a; });
-    farthest = warp_all_reduce(farthest, [](Pick a, Pick b) { return beats<true>(b, a) ? b : a; });
-    if (lane != 0) continue;
-    const Pick negative = beyond.index >= 0 ? beyond : farthest;
-    const float v = (chunk.margin + d_ap) - (negative.index >= 0 ? negative.value : 0.f);
-    const float slope = v > 0.f ? 1.f : 0.f;
-    sum += v > 0.f || v != v ? v : 0.f;
-    count += 1;
-    if (w != nullptr) w[staged[j]] = slope;
-    staged[j] = negative.index;
-    positive_d[j] = slope;
+#pragma unroll
+    for (int j = 0; j < kPositiveGroup; ++j) {
+      if (j >= group) break;  // uniform across the block: group is
+      const Pick nearest = block_best<false>(beyond[j], scratch);
+      if (threadIdx.x == 0) {
+        const Pick negative = nearest.index >= 0 ? nearest : farthest;
+        const float v = (chunk.margin + positive_d[first + j]) -
+                        (negative.index >= 0 ? negative.value : 0.f);
+        const float slope = v > 0.f ? 1.f : 0.f;
+        sum += v > 0.f || v != v ? v : 0.f;
+        count += 1;
+        if (w != nullptr) w[staged[first + j]] = slope;
+        staged[first + j] = negative.index;
+        positive_d[first + j] = slope;
+      }
+      __syncthreads();  // thread 0 has read the scratch before the next pick fills it
+    }
   }
 }
 
@@ -791,6 +886,7 @@ __global__ void __launch_bounds__(kRowThreads)
   __shared__ int warp_counts[kRowThreads / 32];
   __shared__ double sum_scratch[kRowThreads / 32];
   __shared__ int64_t count_scratch[kRowThreads / 32];
+  __shared__ float slope_scratch[kRowThreads / 32];
   extern __shared__ float row_copy[];  // [batch] where weights == dists
   const LossRule& rule = chunk.rule;
   const float margin = chunk.margin;
@@ -845,31 +941,35 @@ __global__ void __launch_bounds__(kRowThreads)
       }
       continue;
     }
-    // Every negative against the staged positives.
-    for (int64_t c = candidates + threadIdx.x; c < batch; c += kRowThreads) {
-      if (chunk.ids[c] == my_id) continue;  // the anchor and its positives
-      const float dn = d[c];
-      float slopes = 0.f;
-      int hits = 0;
-      for (int j = 0; j < filled; ++j) {
-        const TripletTerm term = triplet_term<kGeneral>(rule, margin, positive_d[j], dn);
-        sum += term.loss;
-        slopes += term.slope;
-        hits += term.counted;
-      }
-      count += hits;
-      if (w != nullptr) w[c] -= slopes;
-    }
-    if (w != nullptr) {
-      // Each staged positive: the slopes of its pairs with every negative (a warp each).
-      for (int j = warp; j < filled; j += kRowThreads / 32) {
+    // Every negative against the staged positives, kPositiveGroup at a time: each thread keeps
+    // its negatives' slopes per positive of the group, the block sums them.
+    for (int first = 0; first < filled; first += kPositiveGroup) {
+      const int group = min(kPositiveGroup, filled - first);
+      float positive_slopes[kPositiveGroup] = {};
+      for (int64_t c = candidates + threadIdx.x; c < batch; c += kRowThreads) {
+        if (chunk.ids[c] == my_id) continue;  // the anchor and its positives
+        const float dn = d[c];
         float slopes = 0.f;
-        for (int64_t c = candidates + lane; c < batch; c += 32) {
-          if (chunk.ids[c] == my_id) continue;
-          slopes += triplet_term<kGeneral>(rule, margin, positive_d[j], d[c]).slope;
+        int hits = 0;
+#pragma unroll
+        for (int j = 0; j < kPositiveGroup; ++j) {
+          if (j >= group) break;
+          const TripletTerm term = triplet_term<kGeneral>(rule, margin, positive_d[first + j], dn);
+          sum += term.loss;
+          slopes += term.slope;
+          positive_slopes[j] += term.slope;
+          hits += term.counted;
         }
-        slopes = warp_all_reduce(slopes, Plus());
-        if (lane == 0) w[staged[j]] = slopes;
+        count += hits;
+        if (w != nullptr) w[c] -= slopes;
+      }
+      if (w == nullptr) continue;
+#pragma unroll
+      for (int j = 0; j < kPositiveGroup; ++j) {
+        if (j >= group) break;  // uniform across the block: group is
+        const float total = block_sum<kRowThreads>(positive_slopes[j], slope_scratch);
+        if (threadIdx.x == 0) w[staged[first + j]] = total;
+        __syncthreads();  // thread 0 has read the scratch before the next sum fills it
       }
     }
   }
@@ -1074,6 +1174,21 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
                              cudaStream_t stream) {
   const dim3 grid((chunk.batch + plan.tile - 1) / plan.tile, (chunk.rows + plan.tile - 1) / plan.tile);
   distances_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, dists);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_centred_rows(const float* x, const float* mean, int64_t batch, int64_t dim,
+                                float* centred, float* terms, cudaStream_t stream) {
+  constexpr int kRowsPerBlock = kRowThreads / 32;
+  centred_rows_kernel<<<(batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
+      x, mean, batch, dim, centred, reinterpret_cast<float2*>(terms));
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gram_distances(const MiningChunk& chunk, const MiningPlan& plan,
+                                  const float* terms, float* dists, cudaStream_t stream) {
+  gram_distances_kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
+      chunk, reinterpret_cast<const float2*>(terms), plan.gram_keep_ratio, dists);
   return cudaGetLastError();
 }
 

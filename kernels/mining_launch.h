@@ -48,6 +48,9 @@ struct MiningPlan {
   float gram_bound;       // the Gram products' accumulation error, relative to |x~_i| |x~_c|
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
   int tile;               // the tiled kernels' square tile of (row, column) pairs
+  bool gram_distances;    // batch_all: distances from float Gram products (else the exact kernel)
+  float gram_keep_ratio;  // a Gram distance is kept where d^2 >= (|x~_i|^2 + |x~_c|^2) / this
+  int64_t gradient_part_rows;  // past the whole batch: rows of weights per double product
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
 };
 
@@ -105,6 +108,16 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
 // rule's d (torch's pairwise_distance with p = 2, or |a - b|^2 / 2).
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream);
+
+// The Gram products' rows: centred [batch, dim] float = x - mean ([dim] float) and terms
+// [batch, 2] float, each row's (|centred|^2, sum of centred) summed in double.
+cudaError_t launch_centred_rows(const float* x, const float* mean, int64_t batch, int64_t dim,
+                                float* centred, float* terms, cudaStream_t stream);
+
+// In place, dists [rows, batch] float: the chunk's Gram products of centred rows become the rule's
+// distances (launch_distances'), exact where the products cannot give them accurately.
+cudaError_t launch_gram_distances(const MiningChunk& chunk, const MiningPlan& plan,
+                                  const float* terms, float* dists, cudaStream_t stream);
 
 // batch_hard's loss of every anchor (chunk: the whole batch) by the chunk's rule. picked ==
 // nullptr: the hardest positive and negative chosen here from dists [batch, batch] (the rule's

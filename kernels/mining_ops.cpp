@@ -7,6 +7,7 @@
 #include "check_text.h"
 #include "mining_launch.h"
 
+#include <ATen/Context.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -209,6 +210,42 @@ struct MiningCall {
   }
 };
 
+// batch_all's distances of a chunk of anchors, launch_distances' values: from the exact kernel,
+// or where the plan says from the float Gram products of the centred rows (never TF32: too
+// coarse), exact where those are not accurate enough.
+class AllDistances {
+ public:
+  AllDistances(const MiningCall& call, const MiningPlan& plan) : call_(call), plan_(plan) {
+    if (!plan.gram_distances) return;
+    const at::Tensor& x = call.embeddings;
+    centred_ = at::empty_like(x);
+    terms_ = at::empty({x.size(0), 2}, x.options());
+    const at::Tensor mean = x.mean(0);
+    C10_CUDA_CHECK(launch_centred_rows(x.data_ptr<float>(), mean.data_ptr<float>(), x.size(0),
+                                       x.size(1), centred_.data_ptr<float>(),
+                                       terms_.data_ptr<float>(), call.stream));
+  }
+  // dists: the chunk's rows [chunk.rows, batch] float.
+  void write(const MiningChunk& chunk, at::Tensor dists) const {
+    if (!plan_.gram_distances) {
+      C10_CUDA_CHECK(launch_distances(chunk, plan_, dists.data_ptr<float>(), call_.stream));
+      return;
+    }
+    {
+      const at::NoTF32Guard exact_products;
+      at::mm_out(dists, centred_.narrow(0, chunk.first, chunk.rows),
+                 centred_.t());
+    }
+    C10_CUDA_CHECK(launch_gram_distances(chunk, plan_, terms_.data_ptr<float>(),
+                                         dists.data_ptr<float>(), call_.stream));
+  }
+
+ private:
+  const MiningCall& call_;
+  const MiningPlan& plan_;
+  at::Tensor centred_, terms_;
+};
+
 // batch_hard's large batches: (positive, negative) [2, batch] and valid per anchor from the
 // bfloat16 Gram products, exact where it counts. The rows go sorted by label (stable), so each
 // anchor's positives are one range of columns.
@@ -278,11 +315,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
                                       per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
                                       state.data_ptr<double>(), call.stream));
     } else {
+      const AllDistances distances(call, plan);
       const at::Tensor dists =
           keeps_weights ? state : at::empty({plan.chunk_rows, batch}, floats);
       call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
-        C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
-        C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), {}, 
+        distances.write(chunk, dists.narrow(0, 0, chunk.rows));
+        C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), {},
                                         per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
                                         keeps_weights ? dists.data_ptr<float>() : nullptr,
                                         call.stream));
@@ -295,35 +333,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   return {loss, count, state};
 }
 
-// batch_all's gradient without saved weights, a chunk of anchors at a time: with A[i, c] the
-// chunk's weights (upstream gradient applied) and x the centred rows,
-//   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps),
-// two matrix products per chunk, in double: a row's products nearly cancel where its partners
-// are close (large weights 1 / d), beyond float's precision. Returns the float64 gradient.
-at::Tensor batch_all_gradient_by_chunks(const MiningCall& call, const MiningPlan& plan,
-                                        const Upstream& up, double margin, double eps) {
-  const at::Tensor embeddings = call.embeddings.to(at::kDouble);
-  const int64_t batch = embeddings.size(0);
-  // less the mean: distances are unchanged, and the products' error shrinks to the spread
-  const at::Tensor x = embeddings - embeddings.mean(0, true);
-  at::Tensor out = at::zeros(embeddings.sizes(), embeddings.options());
-  at::Tensor dists = at::empty({plan.chunk_rows, batch}, call.embeddings.options());
-  at::Tensor weights = at::empty({plan.chunk_rows, batch}, call.embeddings.options());
-  call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
-    C10_CUDA_CHECK(launch_distances(chunk, plan, dists.data_ptr<float>(), call.stream));
-    C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr, nullptr,
-                                    weights.data_ptr<float>(), call.stream));
-    // the chunk's weights in double a part at a time: at most as many values as the chunk
-    for (int64_t first = 0; first < chunk.rows; first += plan.chunk_rows / 2 + 1) {
-      const int64_t rows_in = std::min(plan.chunk_rows / 2 + 1, chunk.rows - first);
-      const at::Tensor a = weights.narrow(0, first, rows_in).to(at::kDouble);
-      const at::Tensor rows = x.narrow(0, chunk.first + first, rows_in);
-      out.narrow(0, chunk.first + first, rows_in) += a.sum(1, true) * (rows + eps) - at::mm(a, x);
-      out += a.sum(0).unsqueeze(1) * (x - eps) - at::mm(a.t(), rows);
+// batch_all's gradient past the whole batch's sizes, by double matrix products from rows of weights
+// A[i, c] (upstream applied):
+//   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps)
+//           = (r_m + s_m) x_m + eps (r_m - s_m) - (A x)_m - (A^T x)_m,
+// r and s A's row and column sums, x the rows less their mean (the distances are unchanged and the
+// products' error shrinks to the spread), in double: a row's products nearly cancel where its
+// partners are close (large weights 1 / d), beyond float's precision.
+class AllGradient {
+ public:
+  AllGradient(const MiningCall& call, const MiningPlan& plan)
+      : plan_(plan),
+        x_(centred(call.embeddings.to(at::kDouble))),
+        out_(at::zeros_like(x_)),
+        row_sums_(at::zeros({x_.size(0)}, x_.options())),
+        column_sums_(at::zeros({x_.size(0)}, x_.options())) {}
+  // A's rows [first, first + weights.size(0)), float.
+  void add_rows(const at::Tensor& weights, int64_t first) {
+    for (int64_t part = 0; part < weights.size(0); part += plan_.gradient_part_rows) {
+      const int64_t rows = std::min(plan_.gradient_part_rows, weights.size(0) - part);
+      const at::Tensor a = weights.narrow(0, part, rows).to(at::kDouble);
+      row_sums_.narrow(0, first + part, rows).copy_(a.sum(1));
+      column_sums_ += a.sum(0);
+      out_.narrow(0, first + part, rows).addmm_(a, x_, 1, -1);
+      out_.addmm_(a.t(), x_.narrow(0, first + part, rows), 1, -1);
     }
-  });
-  return out;
-}
+  }
+  at::Tensor result(double eps) {
+    return out_.addcmul_(x_, (row_sums_ + column_sums_).unsqueeze(1))
+        .add_(eps * (row_sums_ - column_sums_).unsqueeze(1));
+  }
+
+ private:
+  static at::Tensor centred(const at::Tensor& x) { return x - x.mean(0, true); }
+  const MiningPlan& plan_;
+  at::Tensor x_, out_, row_sums_, column_sums_;
+};
 
 // The backward: the embeddings' gradient for the upstream gradient of the loss (float32, as the
 // forward's loss) and the forward's count and state.
@@ -358,8 +403,18 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
-  } else {
-    out = batch_all_gradient_by_chunks(call, plan, up, margin, eps);
+  } else {  // the weights again, a chunk of anchors at a time
+    const AllDistances distances(call, plan);
+    AllGradient gradient(call, plan);
+    at::Tensor dists = at::empty({plan.chunk_rows, batch}, embeddings.options());
+    at::Tensor weights = at::empty_like(dists);
+    call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
+      distances.write(chunk, dists.narrow(0, 0, chunk.rows));
+      C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr,
+                                      nullptr, weights.data_ptr<float>(), call.stream));
+      gradient.add_rows(weights.narrow(0, 0, chunk.rows), chunk.first);
+    });
+    out = gradient.result(eps);
   }
   return call.given_gradient(out).to(embeddings_in.scalar_type());
 }

@@ -304,15 +304,17 @@ def test_pytorch_metric_learning_reference_set_on_the_gpu(distance, miner, smoot
 
 @requires_cuda
 @pytest.mark.parametrize("name", ["BatchAllTripletLoss", "BatchSemiHardTripletLoss"])
-def test_sentence_transformers_drop_ins_past_the_whole_batch(name):
-    # 4500 rows: distances and weights a chunk of anchors at a time, the gradient in double. The
-    # library builds B x B x B tensors here: against its formula (the drop-in's torch path) in
-    # float64, at most 4x that formula's own float32 error. Classes in clusters of their own,
-    # so that no negative sits at a positive's distance (where rounding picks semi-hard's).
+@pytest.mark.parametrize("size", [3000, 4500])
+def test_sentence_transformers_drop_ins_past_the_whole_batch(name, size):
+    # Distances from the Gram products, the gradient by double products; 4500 rows: a chunk of
+    # anchors at a time. The library builds B x B x B tensors here: against its formula (the
+    # drop-in's torch path) in float64, at most 4x that formula's own float32 error. Classes in
+    # clusters of their own, so that no negative sits at a positive's distance (where rounding
+    # picks semi-hard's).
     g = torch.Generator().manual_seed(5)
-    labels = torch.randint(0, 500, (4500,), generator=g)
-    centres = torch.randn(500, 16, generator=g, dtype=torch.float64) * 4
-    x = (centres[labels] + 0.3 * torch.randn(4500, 16, generator=g, dtype=torch.float64)).cuda()
+    labels = torch.randint(0, size // 9, (size,), generator=g)
+    centres = torch.randn(size // 9, 16, generator=g, dtype=torch.float64) * 4
+    x = (centres[labels] + 0.3 * torch.randn(size, 16, generator=g, dtype=torch.float64)).cuda()
     labels = labels.cuda()
     loss = getattr(ft, name)(None, margin=0.7)
     formula = lambda e: loss._loss(loss._distance(e), labels)  # noqa: E731

@@ -336,34 +336,76 @@ def test_kernels_are_deterministic(mining):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def margin_clear_of_kinks(x, labels, anchors, mining, tolerance=2e-5):
+    """The first margin from 0.5 up at which no triplet of these anchors (batch_hard: its
+    hardest) has margin + d_ap - d_an within tolerance of 0 in float64: there float32 rounding
+    decides whether the hinge is active, and the gradient jumps by a whole triplet's."""
+    gaps = []
+    for i in anchors:
+        d = ft._distances_from(x, i, i + 1, 2.0, 1e-6)[0]
+        positive, negative = (m[0] for m in ft._label_masks(labels[i:i + 1], labels, i))
+        d_ap, d_an = d[positive], d[negative]
+        if mining == "batch_hard":
+            d_ap, d_an = d_ap.max().reshape(1), d_an.min().reshape(1)
+        gaps.append((d_ap[:, None] - d_an[None, :]).flatten())
+    gaps = torch.cat(gaps)
+    for margin in torch.arange(0.5, 1.0, 0.01, dtype=torch.float64).tolist():
+        if ((margin + gaps).abs() > tolerance).all():
+            return margin
+    raise AssertionError("no margin clear of the hinge's kinks")
+
+
 @requires_cuda
-@pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500)])
+@pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500),
+                                           ("batch_all", 3000)])
 def test_large_batches_in_chunks(mining, batch):
     # Past the whole batch's sizes: batch_hard's Gram mining in chunks, batch_all's distances and
-    # gradient a chunk of anchors at a time. The reference on a few anchors: their losses, and the
-    # gradient of a weighted sum of them (the other anchors' weights 0).
+    # gradient a chunk of anchors at a time; batch_all at 3000: the whole batch's distances from
+    # the Gram products. The reference on a few anchors: their losses, and the gradient of a
+    # weighted sum of them (the other anchors' weights 0), at a margin where no triplet of theirs
+    # sits on the hinge's kink.
     x, labels = labelled_batch(batch, 16, batch // 9, dtype=torch.float32, device="cuda", seed=13)
     e = x.clone().requires_grad_(True)
-    losses = ft.mined_triplet_margin_loss(e, labels, mining, margin=0.5, reduction="none")
-    weights = torch.zeros(batch, device="cuda")
     few = [0, 1, 7, batch // 2, batch - 1]
-    weights[few] = torch.rand(len(few), device="cuda") + 0.5
+    margin = margin_clear_of_kinks(x.double(), labels, few, mining)
+    losses = ft.mined_triplet_margin_loss(e, labels, mining, margin=margin, reduction="none")
+    weights = torch.zeros(batch, device="cuda")
+    g = torch.Generator().manual_seed(batch)
+    weights[few] = (torch.rand(len(few), generator=g, dtype=torch.float64) + 0.5).float().cuda()
     (grad,) = torch.autograd.grad((losses * weights).sum(), e)
     leaf = x.double().requires_grad_(True)
     if mining == "batch_hard":
-        want = ft._mined_losses(leaf, labels, mining, 0.5, 2.0, 1e-6)[0]
+        want = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6)[0]
     else:
         want = torch.zeros(batch, dtype=torch.float64, device="cuda")
         for i in few:
             want = want.index_put((torch.tensor([i], device="cuda"),),
-                                  ft._batch_all_rows(leaf, labels, i, i + 1, 0.5, 2.0, 1e-6)[0])
+                                  ft._batch_all_rows(leaf, labels, i, i + 1, margin, 2.0, 1e-6)[0])
     (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
     torch.testing.assert_close(losses[few].double(), want[few], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-5)
-    total, count, _ = ft._ops().mined_triplet_loss(x, labels, ft._MININGS.index(mining), 0.5,
+    total, count, _ = ft._ops().mined_triplet_loss(x, labels, ft._MININGS.index(mining), margin,
                                                    1e-6, 2)
     torch.testing.assert_close(total, losses.sum(), rtol=1e-5, atol=1e-5)
     assert count.item() > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch", [3000, 4500])
+def test_batch_all_gram_products_ignore_tf32(batch):
+    # A training script's allow_tf32 must not coarsen batch_all's Gram distances to TF32's 10 bits.
+    x, labels = labelled_batch(batch, 64, batch // 8, dtype=torch.float32, device="cuda", seed=5)
+    results, before = [], torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            e = x.clone().requires_grad_(True)
+            loss = ft.mined_triplet_margin_loss(e, labels, "batch_all")
+            loss.backward()
+            results.append((loss, e.grad))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 @requires_cuda
