@@ -393,8 +393,8 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
   const Upstream up{grad.data_ptr<float>(), count.data_ptr<float>(), reduction};
   const MiningChunk all = call.whole(call.labels, margin, eps);
   at::Tensor out;
-  if (batch == 0) {
-    out = at::empty(embeddings.sizes(), embeddings.options());
+  if (embeddings.numel() == 0) {  // nothing to launch (a grid of no columns is not a launch)
+    out = at::zeros(embeddings.sizes(), embeddings.options());
   } else if (mining == Mining::kBatchHard) {
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,

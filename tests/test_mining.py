@@ -581,6 +581,20 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
 
 
 @requires_cuda
+@pytest.mark.parametrize("mining", [0, 1, 2])
+def test_raw_ops_take_rows_of_no_elements(mining):
+    # (batch, 0) embeddings: every distance is 0, the gradient has no elements to write.
+    x = torch.empty(6, 0, device="cuda")
+    labels = torch.tensor([0, 0, 1, 1, 2, 2], device="cuda")
+    ops = torch.ops.fused_triplet
+    loss, count, state = ops.mined_triplet_loss(x, labels, mining, 0.5, 1e-6, 1, True)
+    grad = ops.mined_triplet_loss_backward(torch.ones((), device="cuda"), x, labels, count, state,
+                                           mining, 0.5, 1e-6, 1, True)
+    torch.cuda.synchronize()
+    assert grad.shape == (6, 0) and loss.item() == 0.5  # each triplet's hinge: the margin
+
+
+@requires_cuda
 def test_other_p_and_float64_take_the_reference_on_the_gpu():
     x, labels = labelled_batch(50, 8, 5, device="cuda")
     for mining, p in itertools.product(MININGS, (1.0, 2.0)):
