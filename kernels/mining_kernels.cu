@@ -154,9 +154,18 @@ __device__ __forceinline__ int64_t first_candidate(const MiningChunk& chunk, int
   return chunk.references == 0 ? 0 : anchor < from ? from : chunk.batch;
 }
 
-// The row of the kernels that give each warp of a kRowThreads block its own row.
+// The row of the kernels that give each warp of a kRowThreads block its own row, and the
+// blocks they launch for `rows` rows.
 __device__ __forceinline__ int64_t warp_row() {
   return int64_t(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
+}
+constexpr int64_t warp_row_blocks(int64_t rows) {
+  return (rows + kRowThreads / 32 - 1) / (kRowThreads / 32);
+}
+
+// The rule's distance from a float squared distance: d or d^2 / 2.
+__device__ __forceinline__ float rule_distance(const LossRule& rule, float square) {
+  return rule.half_square ? square / 2 : sqrtf(square);
 }
 
 // batch_hard's Gram inputs, a warp per sorted position s: the embedding order[s] less the batch
@@ -475,7 +484,7 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
     for (int j = 0; j < 4; ++j) {
       const int64_t c = col0 + tx * 4 + j;
       if (c < chunk.batch) {
-        dists[a * chunk.batch + c] = chunk.rule.half_square ? acc[i][j] / 2 : sqrtf(acc[i][j]);
+        dists[a * chunk.batch + c] = rule_distance(chunk.rule, acc[i][j]);
       }
     }
   }
@@ -513,9 +522,6 @@ __global__ void __launch_bounds__(kRowThreads)
   float* row = dists + int64_t(blockIdx.x) * batch;
   const float2 mine = terms[anchor];
   const double tail = double(chunk.dim) * chunk.eps * chunk.eps;
-  const auto distance = [&](float square) {
-    return chunk.rule.half_square ? square / 2 : sqrtf(square);
-  };
   // whole warps walk the row, so each can take its lanes' exact distances together
   for (int64_t c0 = threadIdx.x - lane; c0 < batch; c0 += kRowThreads) {
     const int64_t c = c0 + lane;
@@ -527,13 +533,13 @@ __global__ void __launch_bounds__(kRowThreads)
       const double square = norms - 2.0 * row[c] +
                             2.0 * chunk.eps * (double(mine.y) - theirs.y) + tail;
       exact = !(norms <= keep_ratio * square) || !(square <= DBL_MAX);
-      d = distance(float(square));
+      d = rule_distance(chunk.rule, float(square));
     }
     for (unsigned todo = __ballot_sync(0xffffffffu, exact); todo != 0; todo &= todo - 1) {
       const int from = __ffs(todo) - 1;
       const float square = exact_sq_distance(a, chunk.embeddings + (c0 + from) * chunk.dim,
                                              chunk.dim, chunk.eps, lane);
-      if (lane == from) d = distance(square);
+      if (lane == from) d = rule_distance(chunk.rule, square);
     }
     if (c < batch) row[c] = d;
   }
@@ -1135,25 +1141,21 @@ __global__ void __launch_bounds__(kRowThreads)
 
 cudaError_t launch_unit_rows(const float* x, int64_t batch, int64_t dim, float* unit,
                              cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kRowThreads / 32;
-  unit_rows_kernel<<<(batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
-      x, batch, dim, unit);
+  unit_rows_kernel<<<warp_row_blocks(batch), kRowThreads, 0, stream>>>(x, batch, dim, unit);
   return cudaGetLastError();
 }
 
 cudaError_t launch_unit_rows_backward(const float* x, const float* unit_grad, int64_t batch,
                                       int64_t dim, float* grad, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kRowThreads / 32;
-  unit_rows_backward_kernel<<<(batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0,
-                              stream>>>(x, unit_grad, batch, dim, grad);
+  unit_rows_backward_kernel<<<warp_row_blocks(batch), kRowThreads, 0, stream>>>(
+      x, unit_grad, batch, dim, grad);
   return cudaGetLastError();
 }
 
 cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
                              const float* mean, void* rounded, float* bounds, int64_t* classes,
                              cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kRowThreads / 32;
-  gram_rows_kernel<<<(chunk.batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
+  gram_rows_kernel<<<warp_row_blocks(chunk.batch), kRowThreads, 0, stream>>>(
       chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded),
       reinterpret_cast<float2*>(bounds), classes);
   return cudaGetLastError();
@@ -1179,8 +1181,7 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
 
 cudaError_t launch_centred_rows(const float* x, const float* mean, int64_t batch, int64_t dim,
                                 float* centred, float* terms, cudaStream_t stream) {
-  constexpr int kRowsPerBlock = kRowThreads / 32;
-  centred_rows_kernel<<<(batch + kRowsPerBlock - 1) / kRowsPerBlock, kRowThreads, 0, stream>>>(
+  centred_rows_kernel<<<warp_row_blocks(batch), kRowThreads, 0, stream>>>(
       x, mean, batch, dim, centred, reinterpret_cast<float2*>(terms));
   return cudaGetLastError();
 }

@@ -233,8 +233,7 @@ class AllDistances {
     }
     {
       const at::NoTF32Guard exact_products;
-      at::mm_out(dists, centred_.narrow(0, chunk.first, chunk.rows),
-                 centred_.t());
+      at::mm_out(dists, centred_.narrow(0, chunk.first, chunk.rows), centred_.t());
     }
     C10_CUDA_CHECK(launch_gram_distances(chunk, plan_, terms_.data_ptr<float>(),
                                          dists.data_ptr<float>(), call_.stream));
