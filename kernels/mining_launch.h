@@ -52,6 +52,7 @@ struct MiningPlan {
   float gram_keep_ratio;  // a Gram distance is kept where d^2 >= (|x~_i|^2 + |x~_c|^2) / this
   int64_t gradient_part_rows;  // past the whole batch: rows of weights per double product
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
+  bool gradient_tensor_cores;  // batch_all's whole-batch gradient: products in double on tensor cores
 };
 
 // allow_whole false: chunks at any batch (tests of the large batches' kernels).

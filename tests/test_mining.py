@@ -391,6 +391,44 @@ def test_large_batches_in_chunks(mining, batch):
 
 
 @requires_cuda
+@pytest.mark.parametrize("offset,spread", [(0.0, 2e-2), (1e3, 1e-2)])
+def test_batch_all_gradient_on_the_tensor_cores(offset, spread):
+    # (512, 2048): tiles enough for the whole batch's gradient in double on the tensor cores. Far
+    # from the origin a row's products nearly cancel; the gradient of a few anchors' losses (the
+    # other anchors' weights 0) against float64's. Distances about 1: every triplet sits far
+    # inside the hinge (at 2048 elements of spread 1 hundreds sit within float32's rounding of
+    # its kink, where the two precisions differ by whole triplets).
+    batch = 512
+    g = torch.Generator().manual_seed(17)
+    x = (offset + spread * torch.randn(batch, 2048, generator=g, dtype=torch.float64)).float().cuda()
+    labels = torch.randint(0, 32, (batch,), generator=g).cuda()
+    few = [0, 1, 99, batch - 1]
+    margin = margin_clear_of_kinks(x.double(), labels, few, "batch_all")
+    e = x.clone().requires_grad_(True)
+    losses = ft.mined_triplet_margin_loss(e, labels, "batch_all", margin=margin, reduction="none")
+    weights = torch.zeros(batch, device="cuda")
+    weights[few] = torch.tensor([0.5, 1.0, 1.5, 0.75], device="cuda")
+    (grad,) = torch.autograd.grad((losses * weights).sum(), e)
+    leaf = x.double().requires_grad_(True)
+    want = torch.zeros(batch, dtype=torch.float64, device="cuda")
+    for i in few:
+        want = want.index_put((torch.tensor([i], device="cuda"),),
+                              ft._batch_all_rows(leaf, labels, i, i + 1, margin, 2.0, 1e-6)[0])
+    (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
+    # float32 distances, summed over ~7000 triplets an anchor: a few 1e-6 of the loss and of the
+    # largest gradient element
+    torch.testing.assert_close(losses[few].double(), want[few], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4,
+                               atol=1e-5 * want_grad.abs().max().item())
+    # one upstream gradient for all anchors ('sum') or one each, all 1: the same bits
+    per_anchor = ft.mined_triplet_margin_loss(e, labels, "batch_all", margin=margin,
+                                              reduction="none")
+    total = ft.mined_triplet_margin_loss(e, labels, "batch_all", margin=margin, reduction="sum")
+    assert torch.equal(torch.autograd.grad(per_anchor.sum(), e)[0],
+                       torch.autograd.grad(total, e)[0])
+
+
+@requires_cuda
 @pytest.mark.parametrize("batch", [3000, 4500])
 def test_batch_all_gram_products_ignore_tf32(batch):
     # A training script's allow_tf32 must not coarsen batch_all's Gram distances to TF32's 10 bits.
