@@ -19,7 +19,7 @@
 //                         over its (positive, negative) pairs; the weights d loss / d d(i, c) / d.
 //   all_gradient_kernel, all_gradient_mma_kernel
 //                         batch_all's gradient from the whole batch's weights, tiled: exact
-//                         differences in float, or (more tiles) products on the double tensor cores.
+//                         differences in float, or (more tiles) double tensor-core products.
 //   mined_total_kernel    'mean' / 'sum' and the count, one block.
 //   unit_rows_kernel, unit_rows_backward_kernel
 //                         the rows scaled to unit length (the libraries' normalised
@@ -71,9 +71,10 @@ constexpr int64_t kGradientSharedScanRows = 8192;
 constexpr int kGradientRowsPerWarp = 8;
 constexpr int kGradientSlice = 8;     // ... each lane holding 8 elements of a row at a time
 constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per scan round
-// batch_all's whole-batch gradient on the double tensor cores where its 64 x 128 tiles make a wave
-// (about the H200's 132 SMs): (2048, 512) 0.88x, (4096, 512) 0.73x the float kernel's step;
-// fewer tiles leave SMs idle (1024 x 512: 1.10x), there the float kernel's 64 x 64 tiles.
+// batch_all's whole-batch gradient on the double tensor cores (sm_90, where it was measured) where
+// its 64 x 128 tiles make a wave (about the H200's 132 SMs): (2048, 512) 0.88x, (4096, 512)
+// 0.73x the float kernel's step; fewer tiles leave SMs idle (1024 x 512: 1.10x), there the float
+// kernel's 64 x 64 tiles.
 constexpr int64_t kGradientMmaTiles = 128;
 constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kernel's tile
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
@@ -89,7 +90,7 @@ int64_t whole_batch_rows(Mining mining) {
   return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;  // semi_hard: batch_all's
 }
 
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole) {
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, bool allow_whole) {
   MiningPlan plan;
   plan.whole = allow_whole && batch <= whole_batch_rows(mining);
   plan.gram_bound = float(dim + 16) * kGramPerElementBound;
@@ -105,9 +106,9 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_who
   plan.gram_keep_ratio = kGramKeepRatio;
   plan.gradient_part_rows = std::min(kGradientPartRows, plan.chunk_rows);
   plan.gradient_rows_per_warp = batch >= kGradientSharedScanRows ? kGradientRowsPerWarp : 1;
-  plan.gradient_tensor_cores = (batch + kGradientRows - 1) / kGradientRows *
-                                   ((dim + kGradientCols - 1) / kGradientCols) >=
-                               kGradientMmaTiles;
+  plan.gradient_tensor_cores = cc_major >= 9 && (batch + kGradientRows - 1) / kGradientRows *
+                                                     ((dim + kGradientCols - 1) / kGradientCols) >=
+                                                 kGradientMmaTiles;
   return plan;
 }
 
@@ -1092,9 +1093,11 @@ __global__ void __launch_bounds__(kTileThreads)
 // D = A B + D on the double tensor cores, one 8 x 8 x 4 product per warp: a = A[lane / 4][lane %
 // 4], b = B[lane % 4][lane / 4], d = D[lane / 4][2 (lane % 4) + {0, 1}].
 __device__ __forceinline__ void mma_8x8x4(double (&d)[2], double a, double b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
                : "+d"(d[0]), "+d"(d[1])
                : "d"(a), "d"(b));
+#endif
 }
 
 // all_gradient_kernel's gradient written as x_m r_m - (S x)_m + eps (sum_c A[m, c] - A[c, m]),
@@ -1105,6 +1108,9 @@ __device__ __forceinline__ void mma_8x8x4(double (&d)[2], double a, double b) {
 constexpr int kGradientDepth = 16, kGradientThreads = 256;
 __global__ void __launch_bounds__(kGradientThreads)
     all_gradient_mma_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // the plan takes this kernel only on sm_90+
+#else
   // Rows padded by 8 doubles: a fragment's 4 rows of 8 fall in two wavefronts.
   __shared__ double sums[kGradientDepth][kGradientRows + 8];         // S[m, c] at [c][m]
   __shared__ double candidates[kGradientDepth][kGradientCols + 8];   // x[c, k] at [c][k]
@@ -1199,6 +1205,7 @@ __global__ void __launch_bounds__(kGradientThreads)
       }
     }
   }
+#endif
 }
 
 // One block: the sums of the per-anchor losses and counts in double, in a fixed order.

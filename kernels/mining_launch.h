@@ -52,11 +52,13 @@ struct MiningPlan {
   float gram_keep_ratio;  // a Gram distance is kept where d^2 >= (|x~_i|^2 + |x~_c|^2) / this
   int64_t gradient_part_rows;  // past the whole batch: rows of weights per double product
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
-  bool gradient_tensor_cores;  // batch_all's whole-batch gradient: products in double on tensor cores
+  bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
 };
 
-// allow_whole false: chunks at any batch (tests of the large batches' kernels).
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, bool allow_whole = true);
+// cc_major: the device's compute capability. allow_whole false: chunks at any batch (tests of
+// the large batches' kernels).
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
+                       bool allow_whole = true);
 // The largest batch whose distances stay whole (the shape of batch_all's saved weights).
 int64_t whole_batch_rows(Mining mining);
 

@@ -5,6 +5,7 @@
 // checks come before any launch; nothing synchronises with the host, so a step can be captured
 // in a CUDA graph. The Python side registers the fake kernels.
 #include "check_text.h"
+#include "device_facts.h"
 #include "mining_launch.h"
 
 #include <ATen/Context.h>
@@ -162,6 +163,11 @@ struct MiningCall {
         given(embeddings_in.to(at::kFloat).contiguous()),
         embeddings(rule.unit_rows ? unit_rows(given) : given),
         labels(labels_in.contiguous()) {}
+  // The plan of this call's shapes on its device (allow_whole false: chunks at any batch).
+  MiningPlan plan(bool allow_whole = true) const {
+    return plan_mining(mining, embeddings.size(0), embeddings.size(1),
+                       device_facts(embeddings.get_device()).cc_major, allow_whole);
+  }
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
     return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
@@ -294,7 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   at::Tensor counted = at::empty({batch}, call.labels.options());
   at::Tensor count = at::empty({}, floats);
   at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
-  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  const MiningPlan plan = call.plan();
   const bool keeps_weights = mining != Mining::kBatchHard && for_backward && plan.whole;
   at::Tensor state = mining == Mining::kBatchHard
                          ? at::empty({4, batch}, floats.dtype(at::kDouble))
@@ -387,7 +393,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
   const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
-  const MiningPlan plan = plan_mining(mining, batch, embeddings.size(1));
+  const MiningPlan plan = call.plan();
   const at::Tensor grad = grad_in.contiguous();
   const Upstream up{grad.data_ptr<float>(), count.data_ptr<float>(), reduction};
   const MiningChunk all = call.whole(call.labels, margin, eps);
@@ -506,7 +512,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
     return {at::empty({0}, call.labels.options()), at::empty({0}, call.labels.options()),
             at::empty({0}, call.labels.options().dtype(at::kBool))};
   }
-  const MiningPlan plan = plan_mining(Mining::kBatchHard, batch, call.embeddings.size(1), false);
+  const MiningPlan plan = call.plan(false);
   const auto [picks, valid] = mine_hardest(call, plan, eps);
   const at::Tensor anchors = at::arange(batch, picks.options());
   return {at::where(valid, picks[0], anchors), at::where(valid, picks[1], anchors), valid};

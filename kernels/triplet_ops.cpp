@@ -9,6 +9,7 @@
 // kernelbench_entry.cu's C function, so its build compiles no torch headers.
 // library-only {
 #include "check_text.h"
+#include "device_facts.h"
 #include "triplet_launch.h"
 
 #include <ATen/core/Tensor.h>
@@ -103,28 +104,6 @@ at::Tensor as_rows(const at::Tensor& x, int64_t rows, int64_t dim) {
   at::Tensor r = x.reshape({rows, dim});
   if (dim > 1 && r.stride(1) != 1) r = r.contiguous();
   return r;
-}
-
-// What the plans need of a device, read once per device.
-struct DeviceFacts {
-  int cc_major, sm_count, smem_per_block;
-};
-
-DeviceFacts device_facts(int device) {
-  constexpr int kDevices = 64;
-  static std::once_flag once[kDevices];
-  static DeviceFacts facts[kDevices];
-  auto read = [](int d) {
-    DeviceFacts f{};
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.cc_major, cudaDevAttrComputeCapabilityMajor, d));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, d));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&f.smem_per_block,
-                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, d));
-    return f;
-  };
-  if (device >= kDevices) return read(device);
-  std::call_once(once[device], [&] { facts[device] = read(device); });
-  return facts[device];
 }
 
 // The problem as the kernels see it; a, p, n are the (rows, dim) views, which must outlive it.
