@@ -99,6 +99,23 @@ def test_cuda_module_compiles(build_log):
 
 
 @needs_nvcc
+def test_kernels_compile_for_older_gpus(tmp_path, pytestconfig):
+    # Features of newer targets (sm_90's bulk copies, double tensor-core products from sm_80)
+    # stay behind arch guards: the CUDA source compiles for sm_75 (the oldest CUDA 13 takes) and
+    # sm_80, where the plans never take those kernels.
+    source = tmp_path / "kernels.cu"
+    source.write_text(ft.cuda_source())
+    announce(pytestconfig, "tests/test_build.py: compiling the CUDA source for sm_75 and sm_80...")
+    nvcc = os.path.join(TOOLKIT, "bin", "nvcc")
+    proc = subprocess.run([nvcc, "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-c",
+                           "-gencode=arch=compute_75,code=sm_75",
+                           "-gencode=arch=compute_80,code=sm_80", str(source),
+                           "-o", str(tmp_path / "kernels.o")],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@needs_nvcc
 def test_few_kernels_no_spills_and_no_stack(build_log):
     kernels = re.findall(r"Compiling entry function '(\w+)' for '(sm_\w+)'", build_log)
     archs = {arch for _, arch in kernels}
