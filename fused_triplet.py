@@ -941,13 +941,16 @@ class BatchSemiHardTripletLoss(_SentenceTransformersTripletLoss):
         smallest = d.min(1, keepdim=True).values
         # the farthest negative as the library finds it: shifted by the row's smallest distance
         farthest = ((d - smallest) * negatives).max(1, keepdim=True).values + smallest
-        total = d[:0].sum()
+        total, plain = d[:0].sum(), d.detach()
         for anchors, refs in _pair_chunks(positives):
-            rows, positive = d[anchors], d[anchors, refs].unsqueeze(1)
-            beyond = torch.where(negatives[anchors] & (rows > positive), rows, math.inf)
-            nearest = beyond.min(1, keepdim=True).values
-            negative = torch.where(nearest.isfinite(), nearest, farthest[anchors])
-            losses = (positive - negative) + self.margin
+            with torch.no_grad():  # the choice; the gradient then flows through the chosen d only
+                rows = plain[anchors]
+                beyond = torch.where(negatives[anchors] & (rows > plain[anchors, refs, None]),
+                                     rows, math.inf)
+                nearest = beyond.min(1)
+            negative = torch.where(nearest.values.isfinite(), d[anchors, nearest.indices],
+                                   farthest[anchors, 0])
+            losses = (d[anchors, refs] - negative) + self.margin
             total = total + torch.maximum(losses, torch.zeros_like(losses)).sum()
         return total / positives.sum().clamp(min=1e-16)
 
