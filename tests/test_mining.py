@@ -355,6 +355,24 @@ def margin_clear_of_kinks(x, labels, anchors, mining, tolerance=2e-5):
     raise AssertionError("no margin clear of the hinge's kinks")
 
 
+def few_anchors_against_float64(x, labels, mining, margin, few, weights):
+    """Ours and float64's for a few anchors: the per-anchor losses (float64's of those anchors
+    alone for batch_all) and the gradient of their weighted sum (weights 0 past the few)."""
+    e = x.clone().requires_grad_(True)
+    losses = ft.mined_triplet_margin_loss(e, labels, mining, margin=margin, reduction="none")
+    (grad,) = torch.autograd.grad((losses * weights).sum(), e)
+    leaf = x.double().requires_grad_(True)
+    if mining == "batch_hard":
+        want = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6)[0]
+    else:
+        want = torch.zeros(len(x), dtype=torch.float64, device=x.device)
+        for i in few:
+            want = want.index_put((torch.tensor([i], device=x.device),),
+                                  ft._batch_all_rows(leaf, labels, i, i + 1, margin, 2.0, 1e-6)[0])
+    (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
+    return losses, grad, want, want_grad
+
+
 @requires_cuda
 @pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500),
                                            ("batch_all", 3000)])
@@ -365,23 +383,13 @@ def test_large_batches_in_chunks(mining, batch):
     # weighted sum of them (the other anchors' weights 0), at a margin where no triplet of theirs
     # sits on the hinge's kink.
     x, labels = labelled_batch(batch, 16, batch // 9, dtype=torch.float32, device="cuda", seed=13)
-    e = x.clone().requires_grad_(True)
     few = [0, 1, 7, batch // 2, batch - 1]
     margin = margin_clear_of_kinks(x.double(), labels, few, mining)
-    losses = ft.mined_triplet_margin_loss(e, labels, mining, margin=margin, reduction="none")
     weights = torch.zeros(batch, device="cuda")
     g = torch.Generator().manual_seed(batch)
     weights[few] = (torch.rand(len(few), generator=g, dtype=torch.float64) + 0.5).float().cuda()
-    (grad,) = torch.autograd.grad((losses * weights).sum(), e)
-    leaf = x.double().requires_grad_(True)
-    if mining == "batch_hard":
-        want = ft._mined_losses(leaf, labels, mining, margin, 2.0, 1e-6)[0]
-    else:
-        want = torch.zeros(batch, dtype=torch.float64, device="cuda")
-        for i in few:
-            want = want.index_put((torch.tensor([i], device="cuda"),),
-                                  ft._batch_all_rows(leaf, labels, i, i + 1, margin, 2.0, 1e-6)[0])
-    (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
+    losses, grad, want, want_grad = few_anchors_against_float64(x, labels, mining, margin, few,
+                                                                weights)
     torch.testing.assert_close(losses[few].double(), want[few], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4, atol=1e-5)
     total, count, _ = ft._ops().mined_triplet_loss(x, labels, ft._MININGS.index(mining), margin,
@@ -404,23 +412,17 @@ def test_batch_all_gradient_on_the_tensor_cores(offset, spread):
     labels = torch.randint(0, 32, (batch,), generator=g).cuda()
     few = [0, 1, 99, batch - 1]
     margin = margin_clear_of_kinks(x.double(), labels, few, "batch_all")
-    e = x.clone().requires_grad_(True)
-    losses = ft.mined_triplet_margin_loss(e, labels, "batch_all", margin=margin, reduction="none")
     weights = torch.zeros(batch, device="cuda")
     weights[few] = torch.tensor([0.5, 1.0, 1.5, 0.75], device="cuda")
-    (grad,) = torch.autograd.grad((losses * weights).sum(), e)
-    leaf = x.double().requires_grad_(True)
-    want = torch.zeros(batch, dtype=torch.float64, device="cuda")
-    for i in few:
-        want = want.index_put((torch.tensor([i], device="cuda"),),
-                              ft._batch_all_rows(leaf, labels, i, i + 1, margin, 2.0, 1e-6)[0])
-    (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
+    losses, grad, want, want_grad = few_anchors_against_float64(x, labels, "batch_all", margin,
+                                                                few, weights)
     # float32 distances, summed over ~7000 triplets an anchor: a few 1e-6 of the loss and of the
     # largest gradient element
     torch.testing.assert_close(losses[few].double(), want[few], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grad.double(), want_grad, rtol=1e-4,
                                atol=1e-5 * want_grad.abs().max().item())
     # one upstream gradient for all anchors ('sum') or one each, all 1: the same bits
+    e = x.clone().requires_grad_(True)
     per_anchor = ft.mined_triplet_margin_loss(e, labels, "batch_all", margin=margin,
                                               reduction="none")
     total = ft.mined_triplet_margin_loss(e, labels, "batch_all", margin=margin, reduction="sum")
