@@ -1090,13 +1090,16 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
-// D = A B + D on the double tensor cores, one 8 x 8 x 4 product per warp: a = A[lane / 4][lane %
-// 4], b = B[lane % 4][lane / 4], d = D[lane / 4][2 (lane % 4) + {0, 1}].
-__device__ __forceinline__ void mma_8x8x4(double (&d)[2], double a, double b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
-               : "+d"(d[0]), "+d"(d[1])
-               : "d"(a), "d"(b));
+// D = A B + D on the double tensor cores, one 16 x 8 x 4 product per warp (sm_90): a = A[lane / 4
+// + 8 {0, 1}][lane % 4], b = B[lane % 4][lane / 4], d = D[lane / 4 + 8 {0, 0, 1, 1}][2 (lane % 4) +
+// {0, 1, 0, 1}].
+__device__ __forceinline__ void mma_16x8x4(double (&d)[4], double a0, double a1, double b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+      "{%0, %1, %2, %3};"
+      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+      : "d"(a0), "d"(a1), "d"(b));
 #endif
 }
 
@@ -1104,18 +1107,20 @@ __device__ __forceinline__ void mma_8x8x4(double (&d)[2], double a, double b) {
 // S = A + A^T (float, as staged) and r_m = sum_c S[m, c]: the products on the double tensor
 // cores, where a float times a float is exact and the sums keep a row's near-cancelling terms to
 // float's precision. Tiles of 64 rows x 128 elements, the columns c staged 16 at a time,
-// column-major (conflict-free stores and fragment loads); each of the 8 warps 32 x 32 of the tile.
+// column-major; each of the 8 warps 32 x 32 of the tile.
 constexpr int kGradientDepth = 16, kGradientThreads = 256;
-__global__ void __launch_bounds__(kGradientThreads)
+__global__ void __launch_bounds__(kGradientThreads, 2)
     all_gradient_mma_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // the plan takes this kernel only on sm_90+
 #else
-  // Rows padded by 8 doubles: a fragment's 4 rows of 8 fall in two wavefronts.
-  __shared__ double sums[kGradientDepth][kGradientRows + 8];         // S[m, c] at [c][m]
-  __shared__ double candidates[kGradientDepth][kGradientCols + 8];   // x[c, k] at [c][k]
-  __shared__ double row_sums[kGradientThreads / kGradientRows][kGradientRows];
-  __shared__ float skews[kGradientThreads / kGradientRows][kGradientRows];
+  constexpr int kQuarters = kGradientThreads / kGradientRows;
+  // Rows padded by 4 doubles (8 banks): a fragment's 4 rows of a half-warp's 64-bit loads fall
+  // on distinct banks. S's columns are swizzled (slot) so that the staging stores are too.
+  __shared__ double sums[kGradientDepth][kGradientRows + 4];        // S[m, c] at [c][slot(c, m)]
+  __shared__ double candidates[kGradientDepth][kGradientCols + 4];  // x[c, k] at [c][k]
+  __shared__ double row_sums[kQuarters][kGradientRows];
+  __shared__ float skews[kQuarters][kGradientRows];
   constexpr int kSumsPerThread = kGradientRows * kGradientDepth / kGradientThreads;
   constexpr int kXPerThread = kGradientCols * kGradientDepth / kGradientThreads;
   const float* x = chunk.embeddings;
@@ -1124,26 +1129,41 @@ __global__ void __launch_bounds__(kGradientThreads)
   const int64_t col0 = int64_t(blockIdx.x) * kGradientCols;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_row = warp / 4 * 32, warp_col = warp % 4 * 32;
-  // Staging: S[sm, c0 + sc .. + 4) and x[c0 + xc .. + 8, xk].
-  const int sm = threadIdx.x % kGradientRows, sq = threadIdx.x / kGradientRows;
+  // Staging: S[sm, c0 + sc .. + 4) and x[c0 + xc .. + 8, xk]; a row's 4 quarters in adjacent
+  // lanes, so that a warp reads 8 rows' 64 contiguous bytes of A (and of A^T 4 columns' 32).
+  const int sm = threadIdx.x / kQuarters, sq = threadIdx.x % kQuarters;
   const int sc = sq * kSumsPerThread;
+  const auto slot = [](int c, int m) { return m ^ ((c >> 2 & 3) << 2); };
   const int xk = threadIdx.x % kGradientCols, xc = threadIdx.x / kGradientCols * kXPerThread;
   const int64_t m = row0 + sm;
   const bool per_anchor = up.reduction == kNone;
   const float g_all = per_anchor ? 0.f : upstream_of(up, 0);
   const float g_m = m < batch ? (per_anchor ? up.grad[m] : g_all) : 0.f;
+  const bool vector_rows = batch % 4 == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
   double row_sum = 0.0;
   float skew = 0.f;
-  double acc[4][4][2] = {};
+  double acc[2][4][4] = {};
   // Each step's elements are loaded into registers one step ahead, in flight during the products.
   float next_rows[kSumsPerThread], next_columns[kSumsPerThread], next_x[kXPerThread];
   const auto load = [&](int64_t c0) {
+    if (vector_rows) {
+      const int64_t c = c0 + sc;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (m < batch && c < batch) v = *reinterpret_cast<const float4*>(&weights[m * batch + c]);
+      next_rows[0] = g_m * v.x, next_rows[1] = g_m * v.y;
+      next_rows[2] = g_m * v.z, next_rows[3] = g_m * v.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kSumsPerThread; ++i) {
+        const int64_t c = c0 + sc + i;
+        next_rows[i] = m < batch && c < batch ? g_m * weights[m * batch + c] : 0.f;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kSumsPerThread; ++i) {
       const int64_t c = c0 + sc + i;
-      const bool inside = m < batch && c < batch;
-      next_rows[i] = inside ? g_m * weights[m * batch + c] : 0.f;
-      next_columns[i] = inside ? (per_anchor ? up.grad[c] : g_all) * weights[c * batch + m] : 0.f;
+      next_columns[i] = m < batch && c < batch
+                            ? (per_anchor ? up.grad[c] : g_all) * weights[c * batch + m] : 0.f;
     }
 #pragma unroll
     for (int i = 0; i < kXPerThread; ++i) {
@@ -1158,7 +1178,7 @@ __global__ void __launch_bounds__(kGradientThreads)
       const float both = next_rows[i] + next_columns[i];
       skew += next_rows[i] - next_columns[i];
       row_sum += both;
-      sums[sc + i][sm] = both;
+      sums[sc + i][slot(sc + i, sm)] = both;
     }
 #pragma unroll
     for (int i = 0; i < kXPerThread; ++i) candidates[xc + i][xk] = next_x[i];
@@ -1166,15 +1186,16 @@ __global__ void __launch_bounds__(kGradientThreads)
     if (c0 + kGradientDepth < batch) load(c0 + kGradientDepth);
 #pragma unroll
     for (int step = 0; step < kGradientDepth; step += 4) {
+      const int c = step + lane % 4;
       double a[4], b[4];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) a[t] = sums[step + lane % 4][warp_row + t * 8 + lane / 4];
+      for (int t = 0; t < 4; ++t) a[t] = sums[c][slot(c, warp_row + t * 8 + lane / 4)];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) b[t] = candidates[step + lane % 4][warp_col + t * 8 + lane / 4];
+      for (int t = 0; t < 4; ++t) b[t] = candidates[c][warp_col + t * 8 + lane / 4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 2; ++i) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_8x8x4(acc[i][j], a[i], b[j]);
+        for (int j = 0; j < 4; ++j) mma_16x8x4(acc[i][j], a[2 * i], a[2 * i + 1], b[j]);
       }
     }
     __syncthreads();
@@ -1183,14 +1204,14 @@ __global__ void __launch_bounds__(kGradientThreads)
   skews[sq][sm] = skew;
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = warp_row + i * 8 + lane / 4;
+  for (int t = 0; t < 4; ++t) {
+    const int r = warp_row + t * 8 + lane / 4;
     const int64_t row = row0 + r;
     if (row >= batch) continue;
     double sum = 0.0;  // the quarters of the row, in one order
     float skew_sum = 0.f;
 #pragma unroll
-    for (int q = 0; q < kGradientThreads / kGradientRows; ++q) {
+    for (int q = 0; q < kQuarters; ++q) {
       sum += row_sums[q][r];
       skew_sum += skews[q][r];
     }
@@ -1200,7 +1221,7 @@ __global__ void __launch_bounds__(kGradientThreads)
       for (int h = 0; h < 2; ++h) {
         const int64_t k = col0 + warp_col + j * 8 + lane % 4 * 2 + h;
         if (k >= dim) continue;
-        const double v = double(x[row * dim + k]) * sum - acc[i][j][h];
+        const double v = double(x[row * dim + k]) * sum - acc[t / 2][j][t % 2 * 2 + h];
         grad[row * dim + k] = float(v + double(chunk.eps) * double(skew_sum));
       }
     }
