@@ -344,8 +344,13 @@ def _mined_loss_fake(embeddings, labels, mining, margin, eps, reduction, for_bac
     if mining == 0:
         state = embeddings.new_empty((4, batch), dtype=torch.float64)
     else:
-        kept = for_backward and batch <= _MINING_WHOLE_ROWS[mining]
-        state = embeddings.new_empty((batch, batch) if kept else (0, 0), **floats)
+        whole = batch <= _MINING_WHOLE_ROWS[mining]
+        if for_backward and whole:  # the weights
+            state = embeddings.new_empty((batch, batch), **floats)
+        elif for_backward and reduction != 0:  # the gradient for an upstream gradient of 1
+            state = embeddings.new_empty((batch, embeddings.shape[1]), dtype=torch.float64)
+        else:
+            state = embeddings.new_empty((0, 0), **floats)
     return loss, embeddings.new_empty((), **floats), state
 
 

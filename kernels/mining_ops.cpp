@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 namespace fused_triplet {
 
@@ -102,11 +103,16 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels, Mining
               std::to_string(embeddings.size(0)));
 }
 
+// What batch_all's and semi_hard's state holds for the backward: nothing (the backward
+// recomputes the weights), the whole batch's weights, or the gradient for an upstream gradient
+// of 1 (the scalar reductions past the whole batch's sizes).
+enum class Saved { kNothing, kWeights, kGradient };
+
 // The backward's own inputs against the checked embeddings: the upstream gradient, the
-// forward's count and state. Returns whether the state holds the whole batch's weights.
-bool check_backward_inputs(const at::Tensor& grad, const at::Tensor& count,
-                           const at::Tensor& state, const at::Tensor& embeddings, Mining mining,
-                           int64_t reduction) {
+// forward's count and state. Returns what the state holds.
+Saved check_backward_inputs(const at::Tensor& grad, const at::Tensor& count,
+                            const at::Tensor& state, const at::Tensor& embeddings, Mining mining,
+                            int64_t reduction) {
   const int64_t batch = embeddings.size(0);
   const auto on_device = [&](const at::Tensor& x) { return x.device() == embeddings.device(); };
   TORCH_CHECK(grad.scalar_type() == at::kFloat && on_device(grad) &&
@@ -118,19 +124,27 @@ bool check_backward_inputs(const at::Tensor& grad, const at::Tensor& count,
   TORCH_CHECK(count.scalar_type() == at::kFloat && count.dim() == 0 && on_device(count),
               "fused_triplet mining: expected the forward's float32 count, got ",
               count.scalar_type(), " ", shape_text(count));
-  const bool whole_weights = mining != Mining::kBatchHard && state.dim() == 2 &&
-                             state.size(0) == batch && state.size(1) == batch;
-  const bool hard_state = mining == Mining::kBatchHard && state.dim() == 2 &&
-                          state.size(0) == 4 && state.size(1) == batch;
+  const auto shaped = [&](int64_t rows, int64_t columns, at::ScalarType dtype) {
+    return state.dim() == 2 && state.size(0) == rows && state.size(1) == columns &&
+           state.scalar_type() == dtype;
+  };
+  const bool all = mining != Mining::kBatchHard;
+  const Saved saved = !all ? Saved::kNothing
+                      : shaped(batch, batch, at::kFloat) ? Saved::kWeights
+                      : shaped(batch, embeddings.size(1), at::kDouble) && reduction != kNone
+                          ? Saved::kGradient
+                          : Saved::kNothing;
   TORCH_CHECK(on_device(state) && state.is_contiguous() &&
-                  (hard_state ? state.scalar_type() == at::kDouble
-                              : state.scalar_type() == at::kFloat &&
-                                    (whole_weights || state.numel() == 0)),
+                  (all ? saved != Saved::kNothing ||
+                             (state.numel() == 0 && state.scalar_type() == at::kFloat)
+                       : shaped(4, batch, at::kDouble)),
               "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
               shape_text(state));
-  TORCH_CHECK(!whole_weights || batch <= whole_batch_rows(mining),
+  TORCH_CHECK(saved != Saved::kWeights || batch <= whole_batch_rows(mining),
               "fused_triplet mining: saved weights for a batch the plan does not keep whole");
-  return whole_weights;
+  TORCH_CHECK(saved != Saved::kGradient || batch > whole_batch_rows(mining),
+              "fused_triplet mining: a saved gradient for a batch the plan keeps whole");
+  return saved;
 }
 
 // What every mining op does first, for as long as it runs: check its inputs (and the op's own,
@@ -283,61 +297,6 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 
 // The forward: (loss, count, state). loss: float32, per anchor ('none') or reduced; count: one
 // float32, the valid anchors (batch_hard) or active triplets (batch_all) that 'mean' divides by;
-// state: what the backward reads. batch_hard: [4, batch] double (positive, negative, d(a, p),
-// d(a, n)); batch_all and semi_hard: the whole batch's weights [batch, batch] float when
-// for_backward and the plan keeps the batch whole, else empty (the backward recomputes them).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
-    const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
-    double margin, double eps, int64_t reduction, bool for_backward, int64_t distance,
-    int64_t hinge, int64_t counting, int64_t band, double band_margin, int64_t references) {
-  const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
-                        counting, band, band_margin, references);
-  const Mining mining = call.mining;
-  const at::Tensor& embeddings = call.embeddings;
-  const int64_t batch = embeddings.size(0);
-  const at::TensorOptions floats = embeddings.options();
-  at::Tensor per_anchor = at::empty({batch}, floats);
-  at::Tensor counted = at::empty({batch}, call.labels.options());
-  at::Tensor count = at::empty({}, floats);
-  at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
-  const MiningPlan plan = call.plan();
-  const bool keeps_weights = mining != Mining::kBatchHard && for_backward && plan.whole;
-  at::Tensor state = mining == Mining::kBatchHard
-                         ? at::empty({4, batch}, floats.dtype(at::kDouble))
-                         : at::empty({keeps_weights ? batch : 0, keeps_weights ? batch : 0}, floats);
-  if (batch > 0) {
-    const MiningChunk all = call.whole(call.labels, margin, eps);
-    if (mining == Mining::kBatchHard) {
-      at::Tensor dists, picks;
-      if (plan.whole) {
-        dists = at::empty({batch, batch}, floats);
-        C10_CUDA_CHECK(launch_distances(all, plan, dists.data_ptr<float>(), call.stream));
-      } else {
-        picks = std::get<0>(mine_hardest(call, plan, eps));
-      }
-      C10_CUDA_CHECK(launch_hard_loss(all, plan, plan.whole ? dists.data_ptr<float>() : nullptr,
-                                      plan.whole ? nullptr : picks.data_ptr<int64_t>(),
-                                      per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
-                                      state.data_ptr<double>(), call.stream));
-    } else {
-      const AllDistances distances(call, plan);
-      const at::Tensor dists =
-          keeps_weights ? state : at::empty({plan.chunk_rows, batch}, floats);
-      call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
-        distances.write(chunk, dists.narrow(0, 0, chunk.rows));
-        C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), {},
-                                        per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
-                                        keeps_weights ? dists.data_ptr<float>() : nullptr,
-                                        call.stream));
-      });
-    }
-  }
-  C10_CUDA_CHECK(launch_finish(per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(), batch,
-                               reduction, loss.data_ptr<float>(), count.data_ptr<float>(),
-                               call.stream));
-  return {loss, count, state};
-}
-
 // batch_all's gradient past the whole batch's sizes, by double matrix products from rows of weights
 // A[i, c] (upstream applied):
 //   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps)
@@ -375,6 +334,70 @@ class AllGradient {
   at::Tensor x_, out_, row_sums_, column_sums_;
 };
 
+// state: what the backward reads. batch_hard: [4, batch] double (positive, negative, d(a, p),
+// d(a, n)); batch_all and semi_hard when for_backward: the whole batch's weights [batch, batch]
+// float where the plan keeps the batch whole, else for 'mean' and 'sum' the gradient of the rows
+// the kernels read for an upstream gradient of 1, [batch, dim] double (the weights' rows are
+// used as they are made, not made twice); else empty (the backward recomputes the weights).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
+    const at::Tensor& embeddings_in, const at::Tensor& labels_in, int64_t mining_code,
+    double margin, double eps, int64_t reduction, bool for_backward, int64_t distance,
+    int64_t hinge, int64_t counting, int64_t band, double band_margin, int64_t references) {
+  const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
+                        counting, band, band_margin, references);
+  const Mining mining = call.mining;
+  const at::Tensor& embeddings = call.embeddings;
+  const int64_t batch = embeddings.size(0);
+  const at::TensorOptions floats = embeddings.options();
+  at::Tensor per_anchor = at::empty({batch}, floats);
+  at::Tensor counted = at::empty({batch}, call.labels.options());
+  at::Tensor count = at::empty({}, floats);
+  at::Tensor loss = reduction == kNone ? per_anchor : at::empty({}, floats);
+  const MiningPlan plan = call.plan();
+  const bool keeps_weights = mining != Mining::kBatchHard && for_backward && plan.whole;
+  const bool keeps_gradient =
+      mining != Mining::kBatchHard && for_backward && !plan.whole && reduction != kNone;
+  at::Tensor state = mining == Mining::kBatchHard
+                         ? at::empty({4, batch}, floats.dtype(at::kDouble))
+                         : at::empty({keeps_weights ? batch : 0, keeps_weights ? batch : 0}, floats);
+  if (batch > 0) {
+    const MiningChunk all = call.whole(call.labels, margin, eps);
+    if (mining == Mining::kBatchHard) {
+      at::Tensor dists, picks;
+      if (plan.whole) {
+        dists = at::empty({batch, batch}, floats);
+        C10_CUDA_CHECK(launch_distances(all, plan, dists.data_ptr<float>(), call.stream));
+      } else {
+        picks = std::get<0>(mine_hardest(call, plan, eps));
+      }
+      C10_CUDA_CHECK(launch_hard_loss(all, plan, plan.whole ? dists.data_ptr<float>() : nullptr,
+                                      plan.whole ? nullptr : picks.data_ptr<int64_t>(),
+                                      per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(),
+                                      state.data_ptr<double>(), call.stream));
+    } else {
+      const AllDistances distances(call, plan);
+      const at::Tensor dists =
+          keeps_weights ? state : at::empty({plan.chunk_rows, batch}, floats);
+      const at::Tensor weights = keeps_gradient ? at::empty_like(dists) : dists;
+      std::optional<AllGradient> gradient;
+      if (keeps_gradient) gradient.emplace(call, plan);
+      call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
+        distances.write(chunk, dists.narrow(0, 0, chunk.rows));
+        C10_CUDA_CHECK(launch_batch_all(
+            chunk, plan, dists.data_ptr<float>(), {}, per_anchor.data_ptr<float>(),
+            counted.data_ptr<int64_t>(),
+            keeps_weights || keeps_gradient ? weights.data_ptr<float>() : nullptr, call.stream));
+        if (gradient) gradient->add_rows(weights.narrow(0, 0, chunk.rows), chunk.first);
+      });
+      if (gradient) state = gradient->result(eps);
+    }
+  }
+  C10_CUDA_CHECK(launch_finish(per_anchor.data_ptr<float>(), counted.data_ptr<int64_t>(), batch,
+                               reduction, loss.data_ptr<float>(), count.data_ptr<float>(),
+                               call.stream));
+  return {loss, count, state};
+}
+
 // The backward: the embeddings' gradient for the upstream gradient of the loss (float32, as the
 // forward's loss) and the forward's count and state.
 at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor& embeddings_in,
@@ -383,12 +406,11 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
                                     double eps, int64_t reduction, bool hinge_at_zero,
                                     int64_t distance, int64_t hinge, int64_t counting,
                                     int64_t band, double band_margin, int64_t references) {
-  bool whole_weights = false;  // the state holds the whole batch's weights
+  Saved saved = Saved::kNothing;
   const MiningCall call(embeddings_in, labels_in, mining_code, reduction, eps, distance, hinge,
                         counting, band, band_margin, references, [&] {
-                          whole_weights = check_backward_inputs(grad_in, count, state,
-                                                                embeddings_in,
-                                                                mining_of(mining_code), reduction);
+                          saved = check_backward_inputs(grad_in, count, state, embeddings_in,
+                                                        mining_of(mining_code), reduction);
                         });
   const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
@@ -404,10 +426,13 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
                                         out.data_ptr<float>(), call.stream));
-  } else if (whole_weights) {
+  } else if (saved == Saved::kWeights) {
     out = at::empty(embeddings.sizes(), embeddings.options());
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
+  } else if (saved == Saved::kGradient) {  // the upstream gradient as upstream_of applies it
+    const at::Tensor scale = reduction == kMean ? grad / count.clamp_min(1.0) : grad;
+    out = (state * scale.to(at::kDouble)).to(at::kFloat);
   } else {  // the weights again, a chunk of anchors at a time
     const AllDistances distances(call, plan);
     AllGradient gradient(call, plan);

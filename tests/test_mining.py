@@ -399,6 +399,30 @@ def test_large_batches_in_chunks(mining, batch):
 
 
 @requires_cuda
+@pytest.mark.parametrize("mining", [1, 2])
+def test_large_batches_keep_the_gradient_of_scalar_losses(mining):
+    # Past the whole batch's sizes the forward of 'mean' and 'sum' keeps the gradient for an
+    # upstream gradient of 1, which the backward scales; 'none' makes the weights again in the
+    # backward. The same gradient both ways; the state has the fake kernel's shape and dtype.
+    batch = 4500
+    x, labels = labelled_batch(batch, 16, batch // 9, dtype=torch.float32, device="cuda", seed=5)
+    ops = torch.ops.fused_triplet
+    ft.build()
+    for reduction in (1, 2):
+        kept = x.clone().requires_grad_(True)
+        loss, count, state = ops.mined_triplet_loss(kept, labels, mining, 0.5, 1e-6, reduction)
+        loss.backward(torch.tensor(0.75, device="cuda"))
+        remade = x.clone().requires_grad_(True)
+        losses, _, _ = ops.mined_triplet_loss(remade, labels, mining, 0.5, 1e-6, 0)
+        scale = 0.75 / max(count.item(), 1.0) if reduction == 1 else 0.75
+        losses.backward(torch.full((batch,), scale, device="cuda"))
+        torch.testing.assert_close(kept.grad, remade.grad, rtol=1e-5,
+                                   atol=1e-6 * remade.grad.abs().max().item())
+        fake = ft._mined_loss_fake(x, labels, mining, 0.5, 1e-6, reduction, True)[2]
+        assert state.shape == fake.shape == (batch, 16) and state.dtype == fake.dtype
+
+
+@requires_cuda
 @pytest.mark.parametrize("offset,spread", [(0.0, 2e-2), (1e3, 1e-2)])
 def test_batch_all_gradient_on_the_tensor_cores(offset, spread):
     # (512, 2048): tiles enough for the whole batch's gradient in double on the tensor cores. Far
