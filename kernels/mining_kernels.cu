@@ -1103,105 +1103,168 @@ __device__ __forceinline__ void mma_16x8x4(double (&d)[4], double a0, double a1,
 #endif
 }
 
+// Copies `bytes` (4 or 16) from global memory to shared memory without the registers, in the
+// current group of asynchronous copies; zeros where !valid (src then only an address).
+__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src),
+                 "r"(valid ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(to), "l"(src),
+                 "r"(valid ? 4 : 0));
+  }
+#endif
+}
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+// Waits until at most kPending of this thread's groups of copies are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+#endif
+}
+
 // all_gradient_kernel's gradient written as x_m r_m - (S x)_m + eps (sum_c A[m, c] - A[c, m]),
 // S = A + A^T (float, as staged) and r_m = sum_c S[m, c]: the products on the double tensor
 // cores, where a float times a float is exact and the sums keep a row's near-cancelling terms to
-// float's precision. Tiles of 64 rows x 128 elements, the columns c staged 16 at a time,
-// column-major; each of the 8 warps 32 x 32 of the tile.
-constexpr int kGradientDepth = 16, kGradientThreads = 256;
+// float's precision. Tiles of 64 rows x 128 elements, the columns c taken 16 at a time: each
+// step's floats copied asynchronously kGradientStages - 1 steps ahead, then summed and converted
+// into column-major double stages; each of the 8 warps 32 x 32 of the tile.
+constexpr int kGradientDepth = 16, kGradientThreads = 256, kGradientStages = 3;
+struct GradientCopies {  // one step's floats as copied
+  float rows[kGradientRows][kGradientDepth];     // A[m, c]
+  float columns[kGradientDepth][kGradientRows];  // A[c, m], 4-float groups swizzled (column_at)
+  float x[kGradientDepth][kGradientCols];        // x[c, k]
+};
+struct GradientShared {
+  GradientCopies copies[kGradientStages];
+  // Rows padded by 4 doubles (8 banks): a fragment's 4 rows of a half-warp's 64-bit loads fall
+  // on distinct banks; S's columns swizzled (sum_at) so that the stores are too.
+  double sums[kGradientDepth][kGradientRows + 4];        // S[m, c] at [c][sum_at(c, m)]
+  double candidates[kGradientDepth][kGradientCols + 4];  // x[c, k] at [c][k]
+  double row_sums[kGradientThreads / kGradientRows][kGradientRows];
+  float skews[kGradientThreads / kGradientRows][kGradientRows];
+};
+__device__ __forceinline__ int sum_at(int c, int m) { return m ^ ((c >> 2 & 3) << 2); }
+__device__ __forceinline__ int column_at(int c, int m) { return m ^ ((c >> 2 & 3) << 3); }
+
 __global__ void __launch_bounds__(kGradientThreads, 2)
     all_gradient_mma_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // the plan takes this kernel only on sm_90+
 #else
   constexpr int kQuarters = kGradientThreads / kGradientRows;
-  // Rows padded by 4 doubles (8 banks): a fragment's 4 rows of a half-warp's 64-bit loads fall
-  // on distinct banks. S's columns are swizzled (slot) so that the staging stores are too.
-  __shared__ double sums[kGradientDepth][kGradientRows + 4];        // S[m, c] at [c][slot(c, m)]
-  __shared__ double candidates[kGradientDepth][kGradientCols + 4];  // x[c, k] at [c][k]
-  __shared__ double row_sums[kQuarters][kGradientRows];
-  __shared__ float skews[kQuarters][kGradientRows];
-  constexpr int kSumsPerThread = kGradientRows * kGradientDepth / kGradientThreads;
-  constexpr int kXPerThread = kGradientCols * kGradientDepth / kGradientThreads;
+  extern __shared__ __align__(16) unsigned char gradient_shared[];
+  GradientShared& sh = *reinterpret_cast<GradientShared*>(gradient_shared);
   const float* x = chunk.embeddings;
   const int64_t batch = chunk.batch, dim = chunk.dim;
   const int64_t row0 = int64_t(blockIdx.y) * kGradientRows;
   const int64_t col0 = int64_t(blockIdx.x) * kGradientCols;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int warp_row = warp / 4 * 32, warp_col = warp % 4 * 32;
-  // Staging: S[sm, c0 + sc .. + 4) and x[c0 + xc .. + 8, xk]; a row's 4 quarters in adjacent
-  // lanes, so that a warp reads 8 rows' 64 contiguous bytes of A (and of A^T 4 columns' 32).
-  const int sm = threadIdx.x / kQuarters, sq = threadIdx.x % kQuarters;
-  const int sc = sq * kSumsPerThread;
-  const auto slot = [](int c, int m) { return m ^ ((c >> 2 & 3) << 2); };
-  const int xk = threadIdx.x % kGradientCols, xc = threadIdx.x / kGradientCols * kXPerThread;
+  // Summing: S[sm, c0 + sc .. + 4) and x[c0 + xc .. + 8, xk], a row's 4 quarters in adjacent lanes.
+  const int sm = threadIdx.x / kQuarters, sq = threadIdx.x % kQuarters, sc = sq * 4;
+  const int xk = threadIdx.x % kGradientCols, xc = threadIdx.x / kGradientCols * 8;
   const int64_t m = row0 + sm;
   const bool per_anchor = up.reduction == kNone;
   const float g_all = per_anchor ? 0.f : upstream_of(up, 0);
   const float g_m = m < batch ? (per_anchor ? up.grad[m] : g_all) : 0.f;
-  const bool vector_rows = batch % 4 == 0 && reinterpret_cast<uintptr_t>(weights) % 16 == 0;
+  // 16-byte copies where every group of 4 floats is whole and aligned, else 4-byte ones.
+  const bool wide = batch % 4 == 0 && dim % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(weights) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(x) % 16 == 0;
+  // Copies of the step from column c0 into stage: 4 floats of A's rows, 4 of its columns and 8
+  // of x a thread, each warp reading whole 64- to 512-byte runs.
+  const auto copy_step = [&](int64_t c0, GradientCopies& stage) {
+    const auto group = [&](float* dst, const float* src, int64_t last_row, int64_t rows,
+                           int64_t first_col, int64_t cols) {  // 4 floats of row last_row
+      if (wide) {
+        const bool valid = last_row < rows && first_col < cols;
+        copy_async(dst, valid ? src : weights, 16, valid);
+      } else {
+        for (int i = 0; i < 4; ++i) {
+          const bool valid = last_row < rows && first_col + i < cols;
+          copy_async(dst + i, valid ? src + i : weights, 4, valid);
+        }
+      }
+    };
+    {
+      const int r = threadIdx.x / 4, q = threadIdx.x % 4;
+      const int64_t row = row0 + r, c = c0 + 4 * q;
+      group(&stage.rows[r][4 * q], weights + row * batch + c, row, batch, c, batch);
+    }
+    {
+      const int cc = threadIdx.x / 16, q = threadIdx.x % 16;
+      const int64_t c = c0 + cc, row = row0 + 4 * q;
+      group(&stage.columns[cc][column_at(cc, 4 * q)], weights + c * batch + row, c, batch, row,
+            batch);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int e = threadIdx.x + j * kGradientThreads, cc = e / 32, q = e % 32;
+      const int64_t c = c0 + cc, k = col0 + 4 * q;
+      group(&stage.x[cc][4 * q], x + c * dim + k, c, batch, k, dim);
+    }
+  };
   double row_sum = 0.0;
   float skew = 0.f;
   double acc[2][4][4] = {};
-  // Each step's elements are loaded into registers one step ahead, in flight during the products.
-  float next_rows[kSumsPerThread], next_columns[kSumsPerThread], next_x[kXPerThread];
-  const auto load = [&](int64_t c0) {
-    if (vector_rows) {
-      const int64_t c = c0 + sc;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (m < batch && c < batch) v = *reinterpret_cast<const float4*>(&weights[m * batch + c]);
-      next_rows[0] = g_m * v.x, next_rows[1] = g_m * v.y;
-      next_rows[2] = g_m * v.z, next_rows[3] = g_m * v.w;
-    } else {
+  const int64_t steps = (batch + kGradientDepth - 1) / kGradientDepth;
 #pragma unroll
-      for (int i = 0; i < kSumsPerThread; ++i) {
-        const int64_t c = c0 + sc + i;
-        next_rows[i] = m < batch && c < batch ? g_m * weights[m * batch + c] : 0.f;
-      }
+  for (int s = 0; s < kGradientStages - 1; ++s) {
+    if (s < steps) copy_step(s * kGradientDepth, sh.copies[s]);
+    commit_copies();
+  }
+  for (int64_t step = 0; step < steps; ++step) {
+    wait_copies<kGradientStages - 2>();  // this thread's copies of the step have landed
+    __syncthreads();  // everyone's; and the last step's products are done with the doubles
+    {
+      const int64_t ahead = step + kGradientStages - 1;
+      if (ahead < steps) copy_step(ahead * kGradientDepth, sh.copies[ahead % kGradientStages]);
+      commit_copies();
     }
+    const GradientCopies& stage = sh.copies[step % kGradientStages];
+    const int64_t c0 = step * kGradientDepth;
+    const float4 rows = *reinterpret_cast<const float4*>(&stage.rows[sm][sc]);
+    const float row_values[4] = {rows.x, rows.y, rows.z, rows.w};
 #pragma unroll
-    for (int i = 0; i < kSumsPerThread; ++i) {
-      const int64_t c = c0 + sc + i;
-      next_columns[i] = m < batch && c < batch
-                            ? (per_anchor ? up.grad[c] : g_all) * weights[c * batch + m] : 0.f;
-    }
-#pragma unroll
-    for (int i = 0; i < kXPerThread; ++i) {
-      const int64_t c = c0 + xc + i, k = col0 + xk;
-      next_x[i] = c < batch && k < dim ? x[c * dim + k] : 0.f;
-    }
-  };
-  load(0);
-  for (int64_t c0 = 0; c0 < batch; c0 += kGradientDepth) {
-#pragma unroll
-    for (int i = 0; i < kSumsPerThread; ++i) {
-      const float both = next_rows[i] + next_columns[i];
-      skew += next_rows[i] - next_columns[i];
+    for (int i = 0; i < 4; ++i) {
+      const int c = sc + i;
+      const float g_c = per_anchor ? (c0 + c < batch ? up.grad[c0 + c] : 0.f) : g_all;
+      const float from_row = g_m * row_values[i];
+      const float from_column = g_c * stage.columns[c][column_at(c, sm)];
+      const float both = from_row + from_column;
+      skew += from_row - from_column;
       row_sum += both;
-      sums[sc + i][slot(sc + i, sm)] = both;
+      sh.sums[c][sum_at(c, sm)] = both;
     }
 #pragma unroll
-    for (int i = 0; i < kXPerThread; ++i) candidates[xc + i][xk] = next_x[i];
+    for (int i = 0; i < 8; ++i) sh.candidates[xc + i][xk] = stage.x[xc + i][xk];
     __syncthreads();
-    if (c0 + kGradientDepth < batch) load(c0 + kGradientDepth);
 #pragma unroll
-    for (int step = 0; step < kGradientDepth; step += 4) {
-      const int c = step + lane % 4;
+    for (int k = 0; k < kGradientDepth; k += 4) {
+      const int c = k + lane % 4;
       double a[4], b[4];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) a[t] = sums[c][slot(c, warp_row + t * 8 + lane / 4)];
+      for (int t = 0; t < 4; ++t) a[t] = sh.sums[c][sum_at(c, warp_row + t * 8 + lane / 4)];
 #pragma unroll
-      for (int t = 0; t < 4; ++t) b[t] = candidates[c][warp_col + t * 8 + lane / 4];
+      for (int t = 0; t < 4; ++t) b[t] = sh.candidates[c][warp_col + t * 8 + lane / 4];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) mma_16x8x4(acc[i][j], a[2 * i], a[2 * i + 1], b[j]);
       }
     }
-    __syncthreads();
   }
-  row_sums[sq][sm] = row_sum;
-  skews[sq][sm] = skew;
+  wait_copies<0>();
+  sh.row_sums[sq][sm] = row_sum;
+  sh.skews[sq][sm] = skew;
   __syncthreads();
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
@@ -1212,8 +1275,8 @@ __global__ void __launch_bounds__(kGradientThreads, 2)
     float skew_sum = 0.f;
 #pragma unroll
     for (int q = 0; q < kQuarters; ++q) {
-      sum += row_sums[q][r];
-      skew_sum += skews[q][r];
+      sum += sh.row_sums[q][r];
+      skew_sum += sh.skews[q][r];
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -1381,7 +1444,12 @@ cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan
   if (plan.gradient_tensor_cores) {
     const dim3 grid((chunk.dim + kGradientCols - 1) / kGradientCols,
                     (chunk.batch + kGradientRows - 1) / kGradientRows);
-    all_gradient_mma_kernel<<<grid, kGradientThreads, 0, stream>>>(chunk, weights, upstream, grad);
+    const int bytes = sizeof(GradientShared);
+    const cudaError_t err = cudaFuncSetAttribute(
+        all_gradient_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (err != cudaSuccess) return err;
+    all_gradient_mma_kernel<<<grid, kGradientThreads, bytes, stream>>>(chunk, weights, upstream,
+                                                                       grad);
   } else {
     const dim3 grid((chunk.dim + plan.tile - 1) / plan.tile,
                     (chunk.batch + plan.tile - 1) / plan.tile);
