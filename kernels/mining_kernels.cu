@@ -1445,8 +1445,7 @@ cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan
     const dim3 grid((chunk.dim + kGradientCols - 1) / kGradientCols,
                     (chunk.batch + kGradientRows - 1) / kGradientRows);
     const int bytes = sizeof(GradientShared);
-    const cudaError_t err = cudaFuncSetAttribute(
-        all_gradient_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    const cudaError_t err = allow_shared_memory<all_gradient_mma_kernel>(bytes);
     if (err != cudaSuccess) return err;
     all_gradient_mma_kernel<<<grid, kGradientThreads, bytes, stream>>>(chunk, weights, upstream,
                                                                        grad);

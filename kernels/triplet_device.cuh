@@ -1,7 +1,8 @@
-// Device helpers shared by the kernels in triplet_kernels.cu: element types, 16-byte loads and
-// stores, p-norms, deterministic team and block reductions, the sm_90 bulk-copy ring and the
-// chained follow-up launch. Plain CUDA: no torch headers. Lines marked library-only are left out
-// of the KernelBench file (float32 forward only; fused_triplet.export).
+// Device helpers shared by the kernels in triplet_kernels.cu and mining_kernels.cu: the dynamic
+// shared memory allowance, element types, 16-byte loads and stores, p-norms, deterministic team
+// and block reductions, the sm_90 bulk-copy ring and the chained follow-up launch. Plain CUDA: no
+// torch headers. Lines marked library-only are left out of the KernelBench file (float32 forward
+// only; fused_triplet.export).
 #ifndef FUSED_TRIPLET_DEVICE_CUH
 #define FUSED_TRIPLET_DEVICE_CUH
 
@@ -10,10 +11,27 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
 namespace fused_triplet {
+
+// Device slots of the per-kernel caches (shared memory allowance, residency).
+constexpr int kMaxDevices = 64;
+
+// Lets kKernel take `bytes` of dynamic shared memory on the current device, once per kernel and
+// device (a call each launch cost the small cases a microsecond).
+template <auto kKernel>
+cudaError_t allow_shared_memory(int bytes) {
+  static std::atomic<int> allowed[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess || (device < kMaxDevices && allowed[device].load() >= bytes)) return err;
+  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess && device < kMaxDevices) allowed[device].store(bytes);
+  return err;
+}
 
 constexpr int kBlockThreads = 256;  // every row kernel's block: enough warps to hide a row end
 constexpr int kVecBytes = 16;       // one 128-bit load per thread per input

@@ -96,8 +96,6 @@ constexpr int kRingStages = 4, kRingChunkBytes = 8192, kRingChunkBytesShortElems
 constexpr int64_t kTileMaxCols = 256;
 // The finishing kernel: one block; its input is at most kMaxGrid block sums or 512 split rows.
 constexpr int kFinishThreads = 1024;
-// Device slots of the per-kernel caches (shared memory allowance, residency).
-constexpr int kMaxDevices = 64;
 // library-only {
 // The backward rows kernel at 1 block per SM: ptxas's own target spills a few bytes on sm_100.
 constexpr int kBackwardRowsMinBlocks = 1;
@@ -1334,19 +1332,6 @@ std::string describe_plan(const LaunchPlan& plan, bool forward) {
 // ==== Launches: each executes its plan =============================================================
 
 namespace {
-
-// Lets kKernel take `bytes` of dynamic shared memory on the current device, once per kernel and
-// device (a call each launch cost the small cases a microsecond).
-template <auto kKernel>
-cudaError_t allow_shared_memory(int bytes) {
-  static std::atomic<int> allowed[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess || (device < kMaxDevices && allowed[device].load() >= bytes)) return err;
-  err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (err == cudaSuccess && device < kMaxDevices) allowed[device].store(bytes);
-  return err;
-}
 
 // The driver's tensor-map encoder, looked up once (so the library does not link libcuda).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
