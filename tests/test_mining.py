@@ -423,16 +423,18 @@ def test_large_batches_keep_the_gradient_of_scalar_losses(mining):
 
 
 @requires_cuda
-@pytest.mark.parametrize("offset,spread", [(0.0, 2e-2), (1e3, 1e-2)])
-def test_batch_all_gradient_on_the_tensor_cores(offset, spread):
-    # (512, 2048): tiles enough for the whole batch's gradient in double on the tensor cores. Far
-    # from the origin a row's products nearly cancel; the gradient of a few anchors' losses (the
-    # other anchors' weights 0) against float64's. Distances about 1: every triplet sits far
-    # inside the hinge (at 2048 elements of spread 1 hundreds sit within float32's rounding of
-    # its kink, where the two precisions differ by whole triplets).
-    batch = 512
+@pytest.mark.parametrize("offset,spread,batch,dim", [(0.0, 2e-2, 512, 2048),
+                                                     (1e3, 1e-2, 512, 2048),
+                                                     (0.0, 2e-2, 509, 2047)])
+def test_batch_all_gradient_on_the_tensor_cores(offset, spread, batch, dim):
+    # (512, 2048): tiles enough for the whole batch's gradient in double on the tensor cores
+    # ((509, 2047): its 4-byte copies, rows not in whole 16-byte groups). Far from the origin a
+    # row's products nearly cancel; the gradient of a few anchors' losses (the other anchors'
+    # weights 0) against float64's. Distances about 1: every triplet sits far inside the hinge
+    # (at 2048 elements of spread 1 hundreds sit within float32's rounding of its kink, where the
+    # two precisions differ by whole triplets).
     g = torch.Generator().manual_seed(17)
-    x = (offset + spread * torch.randn(batch, 2048, generator=g, dtype=torch.float64)).float().cuda()
+    x = (offset + spread * torch.randn(batch, dim, generator=g, dtype=torch.float64)).float().cuda()
     labels = torch.randint(0, 32, (batch,), generator=g).cuda()
     few = [0, 1, 99, batch - 1]
     margin = margin_clear_of_kinks(x.double(), labels, few, "batch_all")
