@@ -1182,14 +1182,15 @@ __global__ void __launch_bounds__(kGradientThreads, 2)
   // Copies of the step from column c0 into stage: 4 floats of A's rows, 4 of its columns and 8
   // of x a thread, each warp reading whole 64- to 512-byte runs.
   const auto copy_step = [&](int64_t c0, GradientCopies& stage) {
-    const auto group = [&](float* dst, const float* src, int64_t last_row, int64_t rows,
-                           int64_t first_col, int64_t cols) {  // 4 floats of row last_row
+    // 4 floats from column `first` of row `row` of a rows x width matrix, at src.
+    const auto group = [&](float* dst, const float* src, int64_t row, int64_t rows, int64_t first,
+                           int64_t width) {
       if (wide) {
-        const bool valid = last_row < rows && first_col < cols;
+        const bool valid = row < rows && first < width;
         copy_async(dst, valid ? src : weights, 16, valid);
       } else {
         for (int i = 0; i < 4; ++i) {
-          const bool valid = last_row < rows && first_col + i < cols;
+          const bool valid = row < rows && first + i < width;
           copy_async(dst + i, valid ? src + i : weights, 4, valid);
         }
       }
