@@ -295,8 +295,6 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
   return {picks, valid};
 }
 
-// The forward: (loss, count, state). loss: float32, per anchor ('none') or reduced; count: one
-// float32, the valid anchors (batch_hard) or active triplets (batch_all) that 'mean' divides by;
 // batch_all's gradient past the whole batch's sizes, by double matrix products from rows of weights
 // A[i, c] (upstream applied):
 //   dL/dx_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps)
@@ -334,6 +332,8 @@ class AllGradient {
   at::Tensor x_, out_, row_sums_, column_sums_;
 };
 
+// The forward: (loss, count, state). loss: float32, per anchor ('none') or reduced; count: one
+// float32, the valid anchors (batch_hard) or active triplets (batch_all) that 'mean' divides by;
 // state: what the backward reads. batch_hard: [4, batch] double (positive, negative, d(a, p),
 // d(a, n)); batch_all and semi_hard when for_backward: the whole batch's weights [batch, batch]
 // float where the plan keeps the batch whole, else for 'mean' and 'sum' the gradient of the rows
