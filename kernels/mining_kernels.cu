@@ -3,9 +3,13 @@
 // exactly first). No atomics: the same inputs give the same bits.
 //   distances_kernel      exact distances of (anchor, candidate) tiles, torch's formula: the
 //                         whole batch x batch (small batches) or one chunk of anchors.
+//   column_sums_kernel, column_means_kernel
+//                         larger batches: the rows' mean, the Gram products' centre.
 //   centred_rows_kernel, gram_distances_kernel
 //                         batch_all, larger batches: the rows less their mean, and distances from
 //                         their float Gram products, exact where those are not accurate enough.
+//   label_ranks_kernel, label_order_kernel
+//                         batch_hard, large batches: the rows' order sorted by label (stable).
 //   hard_loss_kernel      batch_hard: per anchor its hardest positive and negative (from the
 //                         distances, or as hardest_kernel chose them), their distances in
 //                         double sums, the hinge.
@@ -76,6 +80,17 @@ constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per s
 // 0.73x the float kernel's step; fewer tiles leave SMs idle (1024 x 512: 1.10x), there the float
 // kernel's 64 x 64 tiles.
 constexpr int64_t kGradientMmaTiles = 128;
+// The Gram products' centre, the rows' mean, summed in 64 slices of rows apart (a block per 32
+// columns and slice fills the GPU at every batch), then the slices in order: deterministic, and
+// no scratch beyond [64, dim] doubles (torch's mean took 16 MiB at (4096, 512)).
+constexpr int kMeanSlices = 64;
+// batch_hard's label order up to 16384 rows by counting, for each row, the labels before it
+// (batch^2 compares, two launches): at::sort of int64 labels is 8 radix passes, about 0.2 ms of
+// host launches before the first product (the grouping alone, step with the host: 0.86x the
+// sort's at 4096 rows, 0.92x at 16384); above, the compares cost more (1.06x at 32768).
+constexpr int64_t kRankLabelRows = 16384;
+constexpr int kRankSlices = 32;       // ... the columns split 32 ways (a few blocks an SM)
+constexpr int kRankRowsPerThread = 4;  // ... each staged label compared with 4 rows'
 constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kernel's tile
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
 // rounded to bfloat16: 2 (x~_i . r_c + r_i . x_c) + accumulation, at most
@@ -109,6 +124,9 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, 
   plan.gradient_tensor_cores = cc_major >= 9 && (batch + kGradientRows - 1) / kGradientRows *
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
                                                  kGradientMmaTiles;
+  plan.mean_slices = kMeanSlices;
+  plan.rank_labels = batch <= kRankLabelRows;
+  plan.rank_slices = kRankSlices;
   return plan;
 }
 
@@ -499,6 +517,88 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
       }
     }
   }
+}
+
+// The rows' mean, first per slice of rows: a block per 32 columns and slice, lanes along the
+// rows, warps down the slice, the warps' sums added in order. partials: [slices, dim] double.
+__global__ void __launch_bounds__(kRowThreads)
+    column_sums_kernel(const float* x, int64_t batch, int64_t dim, double* partials) {
+  constexpr int kWarps = kRowThreads / 32;
+  __shared__ double warp_sums[kWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t column = int64_t(blockIdx.x) * 32 + lane;
+  const int64_t slice_rows = (batch + gridDim.y - 1) / gridDim.y;
+  const int64_t from = int64_t(blockIdx.y) * slice_rows;
+  const int64_t to = std::min(batch, from + slice_rows);
+  double sum = 0.0;
+  if (column < dim) {
+#pragma unroll 4
+    for (int64_t r = from + warp; r < to; r += kWarps) sum += x[r * dim + column];
+  }
+  warp_sums[warp][lane] = sum;
+  __syncthreads();
+  if (warp != 0 || column >= dim) return;
+  for (int w = 1; w < kWarps; ++w) sum += warp_sums[w][lane];
+  partials[blockIdx.y * dim + column] = sum;
+}
+
+// ... then a thread per column adds the slices in order.
+__global__ void column_means_kernel(const double* partials, int slices, int64_t batch,
+                                    int64_t dim, float* mean) {
+  const int64_t column = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (column >= dim) return;
+  double sum = 0.0;
+  for (int s = 0; s < slices; ++s) sum += partials[s * dim + column];
+  mean[column] = float(sum / double(batch));
+}
+
+// batch_hard's label order, first per slice of columns: for each row, how many of the slice's
+// rows come before it in the stable order (a smaller label, or the same at a smaller index).
+// kRankRowsPerThread rows a thread, the slice's labels staged through shared memory. ahead:
+// [slices, batch] int32.
+__global__ void __launch_bounds__(kRowThreads)
+    label_ranks_kernel(const int64_t* labels, int64_t batch, int32_t* ahead) {
+  constexpr int kRows = kRankRowsPerThread;
+  __shared__ int64_t staged[kRowThreads];
+  const int64_t slice_columns = (batch + gridDim.y - 1) / gridDim.y;
+  const int64_t from = int64_t(blockIdx.y) * slice_columns;
+  const int64_t to = std::min(batch, from + slice_columns);
+  int64_t row[kRows], mine[kRows];
+  int32_t count[kRows];
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    row[u] = (int64_t(blockIdx.x) * kRows + u) * kRowThreads + threadIdx.x;
+    mine[u] = row[u] < batch ? labels[row[u]] : 0;
+    count[u] = 0;
+  }
+  for (int64_t base = from; base < to; base += kRowThreads) {
+    __syncthreads();  // the last tile's labels read by every thread
+    if (base + threadIdx.x < to) staged[threadIdx.x] = labels[base + threadIdx.x];
+    __syncthreads();
+    const int staged_count = int(std::min<int64_t>(kRowThreads, to - base));
+    for (int j = 0; j < staged_count; ++j) {
+      const int64_t label = staged[j];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        count[u] += label < mine[u] || (label == mine[u] && base + j < row[u]);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    if (row[u] < batch) ahead[int64_t(blockIdx.y) * batch + row[u]] = count[u];
+  }
+}
+
+// ... then a thread per row adds its slices' counts: its place in the stable order.
+__global__ void label_order_kernel(const int64_t* labels, const int32_t* ahead, int slices,
+                                   int64_t batch, int64_t* sorted_labels, int64_t* order) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= batch) return;
+  int64_t place = 0;
+  for (int s = 0; s < slices; ++s) place += ahead[s * batch + row];
+  order[place] = row;
+  sorted_labels[place] = labels[row];
 }
 
 // A warp per row: x~ = x - mean (float, the Gram products' rows) and its terms (|x~|^2, sum x~),
@@ -1390,6 +1490,31 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
                              cudaStream_t stream) {
   const dim3 grid((chunk.batch + plan.tile - 1) / plan.tile, (chunk.rows + plan.tile - 1) / plan.tile);
   distances_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, dists);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_column_means(const float* x, int64_t batch, int64_t dim, const MiningPlan& plan,
+                                double* partials, float* mean, cudaStream_t stream) {
+  column_sums_kernel<<<dim3(unsigned((dim + 31) / 32), plan.mean_slices), kRowThreads, 0,
+                       stream>>>(x, batch, dim, partials);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  column_means_kernel<<<(dim + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
+      partials, plan.mean_slices, batch, dim, mean);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
+                               int32_t* ahead, int64_t* sorted_labels, int64_t* order,
+                               cudaStream_t stream) {
+  const int64_t rows_per_block = int64_t(kRowThreads) * kRankRowsPerThread;
+  label_ranks_kernel<<<dim3(unsigned((batch + rows_per_block - 1) / rows_per_block),
+                            plan.rank_slices),
+                       kRowThreads, 0, stream>>>(labels, batch, ahead);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  label_order_kernel<<<(batch + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
+      labels, ahead, plan.rank_slices, batch, sorted_labels, order);
   return cudaGetLastError();
 }
 

@@ -53,6 +53,9 @@ struct MiningPlan {
   int64_t gradient_part_rows;  // past the whole batch: rows of weights per double product
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
   bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
+  int mean_slices;        // the Gram products' centre: slices of rows summed apart
+  bool rank_labels;       // batch_hard's label order by counting compares (else at::sort)
+  int rank_slices;        // ... the columns split this many ways
 };
 
 // cc_major: the device's compute capability. allow_whole false: chunks at any batch (tests of
@@ -111,6 +114,18 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
 // rule's d (torch's pairwise_distance with p = 2, or |a - b|^2 / 2).
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream);
+
+// The rows' mean, the Gram products' centre: mean [dim] float of x [batch, dim] float, summed in
+// double in a fixed order; partials: [plan.mean_slices, dim] double scratch.
+cudaError_t launch_column_means(const float* x, int64_t batch, int64_t dim, const MiningPlan& plan,
+                                double* partials, float* mean, cudaStream_t stream);
+
+// batch_hard's label order where plan.rank_labels: sorted_labels and order [batch] int64 as
+// labels.sort(stable) gives them (values, indices); ahead: [plan.rank_slices, batch] int32
+// scratch (batch < 2^31).
+cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
+                               int32_t* ahead, int64_t* sorted_labels, int64_t* order,
+                               cudaStream_t stream);
 
 // The Gram products' rows: centred [batch, dim] float = x - mean ([dim] float) and terms
 // [batch, 2] float, each row's (|centred|^2, sum of centred) summed in double.

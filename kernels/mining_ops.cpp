@@ -29,6 +29,7 @@
 #include <cmath>
 #include <functional>
 #include <optional>
+#include <tuple>
 
 namespace fused_triplet {
 
@@ -230,6 +231,16 @@ struct MiningCall {
   }
 };
 
+// The rows' mean [dim] of x [batch, dim] float (launch_column_means'), the Gram products' centre.
+at::Tensor column_means(const at::Tensor& x, const MiningPlan& plan, cudaStream_t stream) {
+  at::Tensor mean = at::empty({x.size(1)}, x.options());
+  const at::Tensor partials =
+      at::empty({plan.mean_slices, x.size(1)}, x.options().dtype(at::kDouble));
+  C10_CUDA_CHECK(launch_column_means(x.data_ptr<float>(), x.size(0), x.size(1), plan,
+                                     partials.data_ptr<double>(), mean.data_ptr<float>(), stream));
+  return mean;
+}
+
 // batch_all's distances of a chunk of anchors, launch_distances' values: from the exact kernel,
 // or where the plan says from the float Gram products of the centred rows (never TF32: too
 // coarse), exact where those are not accurate enough.
@@ -240,7 +251,7 @@ class AllDistances {
     const at::Tensor& x = call.embeddings;
     centred_ = at::empty_like(x);
     terms_ = at::empty({x.size(0), 2}, x.options());
-    const at::Tensor mean = x.mean(0);
+    const at::Tensor mean = column_means(x, plan, call.stream);
     C10_CUDA_CHECK(launch_centred_rows(x.data_ptr<float>(), mean.data_ptr<float>(), x.size(0),
                                        x.size(1), centred_.data_ptr<float>(),
                                        terms_.data_ptr<float>(), call.stream));
@@ -274,11 +285,22 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
   const int64_t batch = embeddings.size(0);
   at::Tensor picks = at::empty({2, batch}, call.labels.options());
   at::Tensor valid = at::empty({batch}, call.labels.options().dtype(at::kBool));
-  const auto [sorted_labels, order] = call.labels.sort(/*stable=*/true, 0, false);
+  at::Tensor sorted_labels, order;
+  if (plan.rank_labels) {
+    sorted_labels = at::empty_like(call.labels);
+    order = at::empty_like(call.labels);
+    const at::Tensor ahead =
+        at::empty({plan.rank_slices, batch}, call.labels.options().dtype(at::kInt));
+    C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch, plan,
+                                      ahead.data_ptr<int32_t>(), sorted_labels.data_ptr<int64_t>(),
+                                      order.data_ptr<int64_t>(), call.stream));
+  } else {
+    std::tie(sorted_labels, order) = call.labels.sort(/*stable=*/true, 0, false);
+  }
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
   at::Tensor bounds = at::empty({2, batch, 2}, embeddings.options());
   at::Tensor classes = at::empty({batch, 2}, call.labels.options());
-  const at::Tensor mean = embeddings.mean(0);
+  const at::Tensor mean = column_means(embeddings, plan, call.stream);
   C10_CUDA_CHECK(launch_gram_rows(call.whole(sorted_labels, 0.0, eps), plan,
                                   order.data_ptr<int64_t>(), mean.data_ptr<float>(),
                                   rounded.data_ptr(), bounds.data_ptr<float>(),
@@ -527,17 +549,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
                               distance, hinge, counting, band, band_margin, references);
 }
 
-// Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor.
+// Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor, the labels
+// ordered by rank_labels' way at any batch.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings,
                                                                     const at::Tensor& labels,
-                                                                    double eps) {
+                                                                    double eps, bool rank_labels) {
   const MiningCall call(embeddings, labels, Mining::kBatchHard, LossRule{});
   const int64_t batch = call.embeddings.size(0);
   if (batch == 0) {
     return {at::empty({0}, call.labels.options()), at::empty({0}, call.labels.options()),
             at::empty({0}, call.labels.options().dtype(at::kBool))};
   }
-  const MiningPlan plan = call.plan(false);
+  MiningPlan plan = call.plan(false);
+  plan.rank_labels = rank_labels;
   const auto [picks, valid] = mine_hardest(call, plan, eps);
   const at::Tensor anchors = at::arange(batch, picks.options());
   return {at::where(valid, picks[0], anchors), at::where(valid, picks[1], anchors), valid};

@@ -280,6 +280,12 @@ def fused_picks(x, labels, eps=1e-6):
     return positive, negative, positive != torch.arange(len(labels), device=x.device)
 
 
+def sorted_mining(rank_labels):
+    """The Gram products' mining alone, the labels ordered by counting (rank_labels) or by
+    at::sort, at any batch."""
+    return lambda x, labels, eps: ft._internal_ops().mine_batch_hard(x, labels, eps, rank_labels)
+
+
 @requires_cuda
 @pytest.mark.parametrize("batch", [512, 2048, 2046, 2100])  # 2048: 16-byte loads of the Gram rows
 @pytest.mark.parametrize("offset,spread", [(0.0, 1.0), (1e3, 1e-2), (0.0, 1e-4)])
@@ -290,8 +296,25 @@ def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
     x = (offset + spread * torch.randn(batch, 64, generator=g, dtype=torch.float64)).float().double()
     labels = torch.randint(0, 16, (batch,), generator=g)
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    for mine in (ft._internal_ops().mine_batch_hard, fused_picks):
+    for mine in (sorted_mining(True), sorted_mining(False), fused_picks):
         got = mine(x.float().cuda(), labels.cuda(), 1e-6)
+        for ours, theirs in zip(got, want):
+            assert torch.equal(ours.cpu(), theirs)
+
+
+@requires_cuda
+@pytest.mark.parametrize("batch", [3, 1000, 3001])
+def test_batch_hard_orders_labels_of_any_value(batch):
+    # The Gram mining's label order, by counting and by at::sort: int64's extremes, negative and
+    # huge labels, classes of one, a batch not a multiple of a block's rows.
+    g = torch.Generator().manual_seed(batch)
+    values = torch.tensor([-2**63, -2**40, -1, 0, 7, 2**33, 2**62, 2**63 - 1])
+    labels = values[torch.randint(0, len(values), (batch,), generator=g)]
+    labels[: batch // 3] = torch.randint(-2**62, 2**62, (batch // 3,), generator=g)
+    x = torch.randn(batch, 24, generator=g, dtype=torch.float64).float().double()
+    want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
+    for rank_labels in (True, False):
+        got = sorted_mining(rank_labels)(x.float().cuda(), labels.cuda(), 1e-6)
         for ours, theirs in zip(got, want):
             assert torch.equal(ours.cpu(), theirs)
 
@@ -306,7 +329,7 @@ def test_batch_hard_with_nan_and_inf_rows(batch):
     x[10, 0], x[11, 0], x[12, 5] = float("inf"), float("-inf"), float("inf")
     x[20] = 1e30  # finite, but its squared distances overflow: ties of inf, the first index
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    for mine in (ft._internal_ops().mine_batch_hard, fused_picks):
+    for mine in (sorted_mining(True), sorted_mining(False), fused_picks):
         got = mine(x.cuda(), labels.cuda(), 1e-6)
         for ours, theirs in zip(got, want):
             assert torch.equal(ours.cpu(), theirs)
@@ -317,7 +340,7 @@ def test_batch_hard_ties_and_duplicates():
     x = torch.randn(16, 8, device="cuda").repeat(4, 1)  # every row four times
     labels = torch.arange(16, device="cuda").repeat(4) % 5
     want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
-    for mine in (ft._internal_ops().mine_batch_hard, fused_picks):
+    for mine in (sorted_mining(True), sorted_mining(False), fused_picks):
         positive, negative, valid = mine(x, labels, 1e-6)
         assert torch.equal(positive, want[0]) and torch.equal(negative, want[1])
         assert torch.equal(valid, want[2])
@@ -479,7 +502,7 @@ def test_ops_opcheck():
     x, labels = labelled_batch(40, 16, 5, dtype=torch.float32, device="cuda")
     ops = torch.ops.fused_triplet
     ft.build()
-    torch.library.opcheck(ft._internal_ops().mine_batch_hard, (x, labels, 1e-6))
+    torch.library.opcheck(ft._internal_ops().mine_batch_hard, (x, labels, 1e-6, False))
     # (mining, reduction, eps, (distance, hinge, counting, band, band_margin))
     cases = ([(m, r, 1e-6, (0, 0, 0, 0, 0.0)) for m in (0, 1) for r in (0, 1, 2)]
              + [(0, 1, 0.0, (1, 1, 1, 0, 0.0)), (0, 0, 0.0, (0, 0, 2, 0, 0.0)),
