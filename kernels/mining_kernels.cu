@@ -51,6 +51,10 @@ constexpr int64_t kWholeAllRows = 4096;
 // Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
 // products stay large enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
+// batch_hard's chunks of Gram products, bfloat16: 2^26 (128 MiB), float's rows at half the
+// bytes (against float products: (16384, 512) 0.96x the step, (32768, 128) 0.86x, (65536, 512)
+// 0.95x); 2^25 took 1.04x at (16384, 512) and 1.19x at (65536, 512) (more, smaller chunks).
+constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
 // batch_all (and semi_hard) from 2048 rows: distances from the float Gram products of the centred
 // rows (cuBLAS, about 3x the exact kernel's rate).
 constexpr int64_t kGramAllRows = 2048;
@@ -100,6 +104,10 @@ constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kern
 // per element leaves room for the float row terms and the exact distances.
 constexpr float kGramRoundingWeight = 1.0f / (1 << 10);
 constexpr float kGramPerElementBound = 1.0f / (1 << 21);
+// The products are stored as bfloat16 (half the bytes written and read back as float): under
+// 2^-7 |g| in any rounding mode, |g| <= |x~_i| |x~_c|, so 2^-6 |x~_i| |x~_c| on 2 g, which
+// 2ab <= a^2 + b^2 splits into 2^-7 n^2 a row: 2^-8 more of gram_bound.
+constexpr float kGramOutputBound = 1.0f / (1 << 8);
 
 int64_t whole_batch_rows(Mining mining) {
   return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;  // semi_hard: batch_all's
@@ -108,11 +116,12 @@ int64_t whole_batch_rows(Mining mining) {
 MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, bool allow_whole) {
   MiningPlan plan;
   plan.whole = allow_whole && batch <= whole_batch_rows(mining);
-  plan.gram_bound = float(dim + 16) * kGramPerElementBound;
+  plan.gram_bound = float(dim + 16) * kGramPerElementBound + kGramOutputBound;
   plan.rounding_weight = kGramRoundingWeight;
+  const int64_t chunk = mining == Mining::kBatchHard ? kHardChunkProducts : kChunkFloats;
   plan.chunk_rows = plan.whole ? std::max<int64_t>(batch, 1)
-                               : std::clamp<int64_t>(kChunkFloats / std::max<int64_t>(batch, 1),
-                                                     1, std::max<int64_t>(batch, 1));
+                               : std::clamp<int64_t>(chunk / std::max<int64_t>(batch, 1), 1,
+                                                     std::max<int64_t>(batch, 1));
   plan.row_block = kRowThreads;
   // 16-byte groups only where every thread gets one: below, most warps would get no columns.
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
@@ -264,7 +273,8 @@ struct RowScan {
 };
 
 template <int kVector>
-__device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk, const float* gram_row,
+__device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
+                                                   const __nv_bfloat16* gram_row,
                                                    const float2* bounds, int64_t me,
                                                    int64_t class_first, int64_t class_last) {
   constexpr int kGroups = kRowUnroll / kVector;  // groups of columns loaded at once
@@ -284,18 +294,20 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk, con
     for (int g = 0; g < kGroups; ++g) {
       const int64_t c = column_of(base, g * kVector);
       if constexpr (kVector == 4) {  // batch % 4 == 0: the group is whole and 16-byte aligned
-        const float4 p = c < batch ? *reinterpret_cast<const float4*>(gram_row + c)
-                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+        const uint2 p = c < batch ? *reinterpret_cast<const uint2*>(gram_row + c)  // 4 products
+                                  : make_uint2(0u, 0u);
+        const float2 p01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p.x));
+        const float2 p23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p.y));
         const float4 t0 = c < batch ? *reinterpret_cast<const float4*>(bounds + c)
                                     : make_float4(0.f, 0.f, 0.f, 0.f);
         const float4 t1 = c < batch ? *reinterpret_cast<const float4*>(bounds + c + 2)
                                     : make_float4(0.f, 0.f, 0.f, 0.f);
-        products[g * 4] = p.x, products[g * 4 + 1] = p.y;
-        products[g * 4 + 2] = p.z, products[g * 4 + 3] = p.w;
+        products[g * 4] = p01.x, products[g * 4 + 1] = p01.y;
+        products[g * 4 + 2] = p23.x, products[g * 4 + 3] = p23.y;
         terms[g * 4] = make_float2(t0.x, t0.y), terms[g * 4 + 1] = make_float2(t0.z, t0.w);
         terms[g * 4 + 2] = make_float2(t1.x, t1.y), terms[g * 4 + 3] = make_float2(t1.z, t1.w);
       } else {
-        products[g] = c < batch ? gram_row[c] : 0.f;
+        products[g] = c < batch ? __bfloat162float(gram_row[c]) : 0.f;
         terms[g] = c < batch ? bounds[c] : make_float2(0.f, 0.f);
       }
     }
@@ -321,7 +333,7 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk, con
   }
   for (int64_t c = class_first + threadIdx.x; c < class_last; c += kRowThreads) {
     if (c == me) continue;
-    const float product = gram_row[c];
+    const float product = __bfloat162float(gram_row[c]);
     const float2 terms = bounds[c];
     const float lower = fmaf(-2.f, product, terms.x), upper = fmaf(-2.f, product, terms.y);
     scan.positive_spans += upper - lower;
@@ -346,7 +358,7 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk, con
 // each thread's picks in registers, which a split would send through memory.
 template <int kVector>
 __global__ void __launch_bounds__(kRowThreads)
-    hardest_kernel(MiningChunk chunk, const float* gram, const float2* bounds,
+    hardest_kernel(MiningChunk chunk, const __nv_bfloat16* gram, const float2* bounds,
                    const int64_t* classes, const int64_t* order, int64_t* positive,
                    int64_t* negative, bool* valid) {
   constexpr int kWarps = kRowThreads / 32;
@@ -355,7 +367,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
   const int64_t class_first = classes[2 * me], class_last = classes[2 * me + 1];
-  const float* gram_row = gram + row * batch;
+  const __nv_bfloat16* gram_row = gram + row * batch;
   const float2 mine = bounds[batch + me];  // bounds: candidate terms, then anchor terms
   const auto in_class = [&](int64_t c) {
     return uint64_t(c - class_first) < uint64_t(class_last - class_first);
@@ -413,7 +425,7 @@ __global__ void __launch_bounds__(kRowThreads)
   decide_lanes(!walks_negatives && bottom_column >= 0 && bottom <= ceiling, bottom_column, false);
   // The walking threads' columns again, a warp in step; a NaN interval is always a candidate.
   const auto interval = [&](int64_t c) {
-    const float product = gram_row[c];
+    const float product = __bfloat162float(gram_row[c]);
     const float2 terms = bounds[c];
     return make_float2(mine.x + fmaf(-2.f, product, terms.x),
                        mine.y + fmaf(-2.f, product, terms.y));
@@ -1475,14 +1487,14 @@ cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, c
   return cudaGetLastError();
 }
 
-cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
+cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const void* gram,
                            const float* bounds, const int64_t* classes, const int64_t* order,
                            int64_t* positive, int64_t* negative, bool* valid,
                            cudaStream_t stream) {
   const auto kernel = plan.vector == 4 ? hardest_kernel<4> : hardest_kernel<1>;
   kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
-      chunk, gram, reinterpret_cast<const float2*>(bounds), classes, order, positive, negative,
-      valid);
+      chunk, static_cast<const __nv_bfloat16*>(gram), reinterpret_cast<const float2*>(bounds),
+      classes, order, positive, negative, valid);
   return cudaGetLastError();
 }
 

@@ -45,7 +45,7 @@ struct MiningPlan {
   int64_t chunk_rows;     // anchors per chunk (the whole batch when whole)
   int row_block;          // threads per block of the row kernels (a block per anchor row)
   int vector;             // hardest_kernel's columns per load: 4 (16 bytes) or 1
-  float gram_bound;       // the Gram products' accumulation error, relative to |x~_i| |x~_c|
+  float gram_bound;       // the Gram products' error (sums, bfloat16 result), over |x~_i| |x~_c|
   float rounding_weight;  // splits the bfloat16 rounding error into a term per row
   int tile;               // the tiled kernels' square tile of (row, column) pairs
   bool gram_distances;    // batch_all: distances from float Gram products (else the exact kernel)
@@ -98,14 +98,14 @@ cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, c
 
 // batch_hard: the hardest positive and negative of each anchor of the chunk, the batch sorted by
 // label: ids the sorted labels, order[s] the embedding at sorted position s, and the chunk's rows
-// sorted positions. gram: [rows, batch] float dot products x_s . x_c of the sorted, centred
-// embeddings rounded to bfloat16; bounds: [2, batch, 2] float by sorted position, the terms as a
-// candidate (lower, upper), then as an anchor (lower, upper): d(s, c)^2 lies within
-// [lower_s + lower_c - 2 gram, upper_s + upper_c - 2 gram]. Candidates whose interval reaches
-// the extreme's are decided by the exact distance of the embeddings. positive / negative: int64
-// indices of the embeddings, by embedding (each the anchor itself where it has none); valid: 1
-// where the anchor has both.
-cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const float* gram,
+// sorted positions. gram: [rows, batch] bfloat16, the dot products x_s . x_c (float sums) of the
+// sorted, centred embeddings rounded to bfloat16; bounds: [2, batch, 2] float by sorted
+// position, the terms as a candidate (lower, upper), then as an anchor (lower, upper): d(s, c)^2
+// lies within [lower_s + lower_c - 2 gram, upper_s + upper_c - 2 gram]. Candidates whose
+// interval reaches the extreme's are decided by the exact distance of the embeddings. positive /
+// negative: int64 indices of the embeddings, by embedding (each the anchor itself where it has
+// none); valid: 1 where the anchor has both.
+cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const void* gram,
                            const float* bounds, const int64_t* classes, const int64_t* order,
                            int64_t* positive, int64_t* negative, bool* valid,
                            cudaStream_t stream);

@@ -305,11 +305,11 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
                                   order.data_ptr<int64_t>(), mean.data_ptr<float>(),
                                   rounded.data_ptr(), bounds.data_ptr<float>(),
                                   classes.data_ptr<int64_t>(), call.stream));
-  at::Tensor gram = at::empty({plan.chunk_rows, batch}, embeddings.options());
+  at::Tensor gram = at::empty({plan.chunk_rows, batch}, rounded.options());
   call.for_each_chunk(plan, sorted_labels, 0.0, eps, [&](const MiningChunk& chunk) {
     at::Tensor rows = gram.narrow(0, 0, chunk.rows);
-    at::mm_out(rows, rounded.narrow(0, chunk.first, chunk.rows), rounded.t(), at::kFloat);
-    C10_CUDA_CHECK(launch_hardest(chunk, plan, rows.data_ptr<float>(), bounds.data_ptr<float>(),
+    at::mm_out(rows, rounded.narrow(0, chunk.first, chunk.rows), rounded.t());
+    C10_CUDA_CHECK(launch_hardest(chunk, plan, rows.data_ptr(), bounds.data_ptr<float>(),
                                   classes.data_ptr<int64_t>(), order.data_ptr<int64_t>(),
                                   picks.data_ptr<int64_t>(), picks.data_ptr<int64_t>() + batch,
                                   valid.data_ptr<bool>(), call.stream));
