@@ -209,11 +209,13 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
     kernels = sorted(re.findall(r"__global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(", cuda))
     assert kernels == ["all_gradient_kernel", "all_gradient_mma_kernel", "backward_check_kernel",
                        "backward_pointwise_kernel", "backward_rows_kernel", "batch_all_kernel",
-                       "centred_rows_kernel", "distances_kernel",
+                       "centred_rows_kernel", "column_means_kernel", "column_sums_kernel",
+                       "distances_kernel",
                        "forward_finish_kernel", "forward_one_pass_kernel", "forward_ring_kernel",
                        "forward_rows_kernel", "gram_distances_kernel", "gram_rows_kernel",
                        "hard_gradient_kernel",
-                       "hard_loss_kernel", "hardest_kernel", "mined_total_kernel",
+                       "hard_loss_kernel", "hardest_kernel", "label_order_kernel",
+                       "label_ranks_kernel", "mined_total_kernel",
                        "unit_rows_backward_kernel", "unit_rows_kernel"], kernels
 
 
