@@ -1507,6 +1507,7 @@ cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, f
 
 cudaError_t launch_column_means(const float* x, int64_t batch, int64_t dim, const MiningPlan& plan,
                                 double* partials, float* mean, cudaStream_t stream) {
+  if (batch == 0 || dim == 0) return cudaSuccess;  // no mean to write (a grid of 0 is no launch)
   column_sums_kernel<<<dim3(unsigned((dim + 31) / 32), plan.mean_slices), kRowThreads, 0,
                        stream>>>(x, batch, dim, partials);
   const cudaError_t err = cudaGetLastError();
@@ -1519,6 +1520,7 @@ cudaError_t launch_column_means(const float* x, int64_t batch, int64_t dim, cons
 cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
                                int32_t* ahead, int64_t* sorted_labels, int64_t* order,
                                cudaStream_t stream) {
+  if (batch == 0) return cudaSuccess;
   const int64_t rows_per_block = int64_t(kRowThreads) * kRankRowsPerThread;
   label_ranks_kernel<<<dim3(unsigned((batch + rows_per_block - 1) / rows_per_block),
                             plan.rank_slices),
