@@ -51,10 +51,17 @@ constexpr int64_t kWholeAllRows = 4096;
 // Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
 // products stay large enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
-// batch_hard's chunks of Gram products, bfloat16: 2^26 (128 MiB), float's rows at half the
+// batch_hard's chunks of Gram products, bfloat16: up to 2^26 (128 MiB), float's rows at half the
 // bytes (against float products: (16384, 512) 0.96x the step, (32768, 128) 0.86x, (65536, 512)
 // 0.95x); 2^25 took 1.04x at (16384, 512) and 1.19x at (65536, 512) (more, smaller chunks).
 constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
+// ... fewer where the memory bound asks: a call's scratch within twice the embeddings' bytes +
+// 64 MiB, plus the gradient's bytes (not yet allocated during the forward); beside the products,
+// the rounded rows and under kRowScratchBytes a row (labels' order, bounds, classes, picks,
+// state). Not below 2^24: there the chunks' launches cost 1.2-1.7x the time.
+constexpr int64_t kMemoryAllowance = int64_t(64) << 20;
+constexpr int64_t kRowScratchBytes = 160;
+constexpr int64_t kHardChunkMinProducts = int64_t(1) << 24;
 // batch_all (and semi_hard) from 2048 rows: distances from the float Gram products of the centred
 // rows (cuBLAS, about 3x the exact kernel's rate).
 constexpr int64_t kGramAllRows = 2048;
@@ -113,12 +120,19 @@ int64_t whole_batch_rows(Mining mining) {
   return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;  // semi_hard: batch_all's
 }
 
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, bool allow_whole) {
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
+                       int64_t input_bytes, int64_t copy_bytes, bool allow_whole) {
   MiningPlan plan;
   plan.whole = allow_whole && batch <= whole_batch_rows(mining);
   plan.gram_bound = float(dim + 16) * kGramPerElementBound + kGramOutputBound;
   plan.rounding_weight = kGramRoundingWeight;
-  const int64_t chunk = mining == Mining::kBatchHard ? kHardChunkProducts : kChunkFloats;
+  const int64_t hard_budget = 3 * input_bytes + kMemoryAllowance - copy_bytes -
+                              batch * (dim * int64_t(sizeof(__nv_bfloat16)) + kRowScratchBytes);
+  const int64_t chunk =
+      mining == Mining::kBatchHard
+          ? std::clamp<int64_t>(hard_budget / int64_t(sizeof(__nv_bfloat16)),
+                                kHardChunkMinProducts, kHardChunkProducts)
+          : kChunkFloats;
   plan.chunk_rows = plan.whole ? std::max<int64_t>(batch, 1)
                                : std::clamp<int64_t>(chunk / std::max<int64_t>(batch, 1), 1,
                                                      std::max<int64_t>(batch, 1));

@@ -177,11 +177,15 @@ struct MiningCall {
         stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()),
         given(embeddings_in.to(at::kFloat).contiguous()),
         embeddings(rule.unit_rows ? unit_rows(given) : given),
-        labels(labels_in.contiguous()) {}
+        labels(labels_in.contiguous()),
+        input_bytes(int64_t(embeddings_in.nbytes())),
+        copy_bytes(int64_t(given.is_same(embeddings_in) ? 0 : given.nbytes()) +
+                   int64_t(embeddings.is_same(given) ? 0 : embeddings.nbytes())) {}
   // The plan of this call's shapes on its device (allow_whole false: chunks at any batch).
   MiningPlan plan(bool allow_whole = true) const {
     return plan_mining(mining, embeddings.size(0), embeddings.size(1),
-                       device_facts(embeddings.get_device()).cc_major, allow_whole);
+                       device_facts(embeddings.get_device()).cc_major, input_bytes, copy_bytes,
+                       allow_whole);
   }
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
@@ -219,6 +223,8 @@ struct MiningCall {
   at::Tensor given;       // the embeddings as float
   at::Tensor embeddings;  // the rows the kernels read: given, or given scaled to unit length
   at::Tensor labels;
+  int64_t input_bytes;  // the embeddings' bytes as given
+  int64_t copy_bytes;   // given's and embeddings' bytes where they are copies
 
  private:
   at::Tensor unit_rows(const at::Tensor& x) const {

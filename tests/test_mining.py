@@ -598,6 +598,26 @@ def test_a_step_never_synchronises(mining):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_hard_scratch_within_the_memory_bound(dtype):
+    # Beyond the embeddings and their gradient, a step's peak stays within twice the embeddings'
+    # bytes + 64 MiB: at narrow rows the bfloat16 products' chunks shrink to fit (2^26 products
+    # would take 128 MiB).
+    x, labels = labelled_batch(12288, 32, 1536, dtype=dtype, device="cuda", seed=21)
+    e = x.clone().requires_grad_(True)
+    ft.mined_triplet_margin_loss(e, labels).backward()  # built and warm
+    e.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ft.mined_triplet_margin_loss(e, labels).backward()
+    torch.cuda.synchronize()
+    nbytes = e.numel() * e.element_size()
+    extra = torch.cuda.max_memory_allocated() - base - nbytes
+    assert extra <= 2 * nbytes + (64 << 20), extra / 2**20
+
+
+@requires_cuda
 @pytest.mark.parametrize("mining", MININGS)
 def test_under_torch_compile(mining):
     x, labels = labelled_batch(128, 32, 8, dtype=torch.float32, device="cuda", seed=3)
