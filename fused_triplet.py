@@ -100,7 +100,7 @@ def cpp_source() -> str:
 # torch) builds anew and an unchanged one loads the cached library.
 # ---------------------------------------------------------------------------------------------
 
-CXX_FLAGS = ["-O2"]
+CXX_FLAGS = ["-O1"]
 # A first build on 2 cores for one architecture (the host compiler's pass over torch's headers
 # takes most of it).
 BUILD_TIME = "about 30 s"
