@@ -55,10 +55,14 @@ constexpr int64_t kChunkFloats = int64_t(1) << 26;
 // bytes (against float products: (16384, 512) 0.96x the step, (32768, 128) 0.86x, (65536, 512)
 // 0.95x); 2^25 took 1.04x at (16384, 512) and 1.19x at (65536, 512) (more, smaller chunks).
 constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
-// ... fewer where the memory bound asks: a call's scratch within twice the embeddings' bytes +
-// 64 MiB, plus the gradient's bytes (not yet allocated during the forward); beside the products,
+// ... fewer where the memory bound asks ((32768, 128) 94 MiB against 123 at 1.07x the time,
+// (16384, 512) bf16 95 against 162 at 1.11x): a call's scratch within twice the embeddings' bytes
+// + 64 MiB, plus the gradient's bytes (not yet allocated during the forward); beside the products,
 // the rounded rows and under kRowScratchBytes a row (labels' order, bounds, classes, picks,
-// state). Not below 2^24: there the chunks' launches cost 1.2-1.7x the time.
+// state). Not below 2^24: there the chunks' launches cost 1.2-1.7x the time. Where the call
+// copies the embeddings (2-byte ones as float, unit rows), the backward holds as many float
+// gradients as copies; where those alone pass the bound, full chunks: smaller ones would cost
+// time ((65536, 512) bf16 1.38x) and not meet it.
 constexpr int64_t kMemoryAllowance = int64_t(64) << 20;
 constexpr int64_t kRowScratchBytes = 160;
 constexpr int64_t kHardChunkMinProducts = int64_t(1) << 24;
@@ -128,11 +132,12 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
   plan.rounding_weight = kGramRoundingWeight;
   const int64_t hard_budget = 3 * input_bytes + kMemoryAllowance - copy_bytes -
                               batch * (dim * int64_t(sizeof(__nv_bfloat16)) + kRowScratchBytes);
+  const bool bound_reachable = 2 * copy_bytes <= 2 * input_bytes + kMemoryAllowance;
   const int64_t chunk =
-      mining == Mining::kBatchHard
-          ? std::clamp<int64_t>(hard_budget / int64_t(sizeof(__nv_bfloat16)),
-                                kHardChunkMinProducts, kHardChunkProducts)
-          : kChunkFloats;
+      mining != Mining::kBatchHard ? kChunkFloats
+      : bound_reachable ? std::clamp<int64_t>(hard_budget / int64_t(sizeof(__nv_bfloat16)),
+                                              kHardChunkMinProducts, kHardChunkProducts)
+                        : kHardChunkProducts;
   plan.chunk_rows = plan.whole ? std::max<int64_t>(batch, 1)
                                : std::clamp<int64_t>(chunk / std::max<int64_t>(batch, 1), 1,
                                                      std::max<int64_t>(batch, 1));
