@@ -1028,11 +1028,12 @@ __device__ void choose_semi_hard(const MiningChunk& chunk, const float* d, int64
 template <bool kGeneral, bool kSemiHard>
 __global__ void __launch_bounds__(kRowThreads)
     batch_all_kernel(MiningChunk chunk, const float* dists, Upstream up, float* loss,
-                     int64_t* counted, float* weights) {
+                     int64_t* counted, float* weights, double* weight_sums) {
   __shared__ float positive_d[kPositiveSlots];  // d(i, j) of the staged positives
   __shared__ int64_t staged[kPositiveSlots];    // their columns
   __shared__ int warp_counts[kRowThreads / 32];
   __shared__ double sum_scratch[kRowThreads / 32];
+  __shared__ double weight_sum_scratch[kRowThreads / 32];
   __shared__ int64_t count_scratch[kRowThreads / 32];
   __shared__ float slope_scratch[kRowThreads / 32];
   extern __shared__ float row_copy[];  // [batch] where weights == dists
@@ -1124,10 +1125,16 @@ __global__ void __launch_bounds__(kRowThreads)
   if (w != nullptr) {
     __syncthreads();  // every weight of the row is written
     const float g = upstream_of(up, anchor);
+    double weight_sum = 0.0;
     for (int64_t c = threadIdx.x; c < batch; c += kRowThreads) {
       const float weight = w[c];
       w[c] = weight == 0.f ? 0.f : rule.half_square ? g * weight : d[c] != 0.f ? g * weight / d[c]
                                                                                 : 0.f;
+      weight_sum += w[c];
+    }
+    if (weight_sums != nullptr) {
+      const double total = block_sum<kRowThreads>(weight_sum, weight_sum_scratch);
+      if (threadIdx.x == 0) weight_sums[anchor] = total;
     }
   }
   if (loss == nullptr) return;
@@ -1584,7 +1591,7 @@ cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& pla
 
 cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
                              const Upstream& upstream, float* loss, int64_t* counted,
-                             float* weights, cudaStream_t stream) {
+                             float* weights, double* weight_sums, cudaStream_t stream) {
   const size_t row_copy = weights == dists ? size_t(chunk.batch) * sizeof(float) : 0;
   const LossRule& rule = chunk.rule;
   const bool general =
@@ -1593,7 +1600,7 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
                       : general                         ? batch_all_kernel<true, false>
                                                         : batch_all_kernel<false, false>;
   kernel<<<chunk.rows, plan.row_block, row_copy, stream>>>(chunk, dists, upstream, loss, counted,
-                                                           weights);
+                                                           weights, weight_sums);
   return cudaGetLastError();
 }
 

@@ -160,10 +160,11 @@ cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& pla
 // counted int64; nullptr: not wanted). weights (nullptr: not wanted): [rows, batch] = g_i (d
 // loss_i / d d(i, c)) / d(i, c) (0 where d(i, c) is 0; no division for |a - b|^2 / 2), g_i the
 // upstream gradient (1 where upstream.grad is nullptr). weights may be dists itself when the
-// plan keeps the batch whole.
+// plan keeps the batch whole. weight_sums (nullptr: not wanted; with weights): [batch] double,
+// each anchor's sum of its row of weights, by embedding.
 cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
                              const Upstream& upstream, float* loss, int64_t* counted,
-                             float* weights, cudaStream_t stream);
+                             float* weights, double* weight_sums, cudaStream_t stream);
 
 // batch_all's gradient of the embeddings (float [batch, dim]) from the whole batch's weights
 // [batch, batch] (launch_batch_all's without the upstream gradient, applied here).
