@@ -329,16 +329,15 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 //           = (r_m + s_m) x_m + eps (r_m - s_m) - (A x)_m - (A^T x)_m,
 // r and s A's row and column sums, x the rows less their mean (the distances are unchanged and the
 // products' error shrinks to the spread), in double: a row's products nearly cancel where its
-// partners are close (large weights 1 / d), beyond float's precision. x carries a column of ones,
-// so the products give -(r + s) beside -(A x + A^T x); launch_batch_all gives r.
+// partners are close (large weights 1 / d), beyond float's precision. launch_batch_all gives r.
 class AllGradient {
  public:
   AllGradient(const MiningCall& call, const MiningPlan& plan)
       : plan_(plan),
-        dim_(call.embeddings.size(1)),
-        x_(centred_with_ones(call.embeddings)),
+        x_(centred(call.embeddings.to(at::kDouble))),
         out_(at::zeros_like(x_)),
-        row_sums_(at::zeros({x_.size(0)}, x_.options())) {}
+        row_sums_(at::zeros({x_.size(0)}, x_.options())),
+        column_sums_(at::zeros({x_.size(0)}, x_.options())) {}
   // Where launch_batch_all writes r, by embedding.
   double* row_sums() { return row_sums_.data_ptr<double>(); }
   // A's rows [first, first + weights.size(0)), float.
@@ -346,32 +345,20 @@ class AllGradient {
     for (int64_t part = 0; part < weights.size(0); part += plan_.gradient_part_rows) {
       const int64_t rows = std::min(plan_.gradient_part_rows, weights.size(0) - part);
       const at::Tensor a = weights.narrow(0, part, rows).to(at::kDouble);
+      column_sums_ += a.sum(0);
       out_.narrow(0, first + part, rows).addmm_(a, x_, 1, -1);
       out_.addmm_(a.t(), x_.narrow(0, first + part, rows), 1, -1);
     }
   }
-  // [batch, dim] double.
   at::Tensor result(double eps) {
-    const at::Tensor both = -out_.select(1, dim_);  // r + s
-    return out_.narrow(1, 0, dim_)
-        .addcmul(x_.narrow(1, 0, dim_), both.unsqueeze(1))
-        .add_(eps * (2 * row_sums_ - both).unsqueeze(1));
+    return out_.addcmul_(x_, (row_sums_ + column_sums_).unsqueeze(1))
+        .add_(eps * (row_sums_ - column_sums_).unsqueeze(1));
   }
 
  private:
-  // [batch, dim + 1 or 2] double: the rows less their mean, a column of ones, zeros to an even
-  // width (16-byte rows for the products).
-  static at::Tensor centred_with_ones(const at::Tensor& rows) {
-    const at::Tensor x = rows.to(at::kDouble);
-    const int64_t dim = x.size(1);
-    at::Tensor out = at::zeros({x.size(0), dim + 2 - dim % 2}, x.options());
-    out.narrow(1, 0, dim).copy_(x - x.mean(0, true));
-    out.select(1, dim).fill_(1.0);
-    return out;
-  }
+  static at::Tensor centred(const at::Tensor& x) { return x - x.mean(0, true); }
   const MiningPlan& plan_;
-  int64_t dim_;
-  at::Tensor x_, out_, row_sums_;
+  at::Tensor x_, out_, row_sums_, column_sums_;
 };
 
 // The forward: (loss, count, state). loss: float32, per anchor ('none') or reduced; count: one
