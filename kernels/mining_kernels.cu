@@ -334,19 +334,26 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
     for (int g = 0; g < kGroups; ++g) {
       const int64_t first = column_of(base, g * kVector);
       if (first >= batch) continue;
-      const bool meets_class = first < class_last && first + kVector > class_first;
-#pragma unroll
-      for (int j = 0; j < kVector; ++j) {
+      const auto negative = [&](int j) {
         const int u = g * kVector + j;
-        const int64_t c = first + j;
-        if (meets_class && in_class(c)) continue;
         const float lower = fmaf(-2.f, products[u], terms[u].x);
         const float upper = fmaf(-2.f, products[u], terms[u].y);
         scan.negative_spans += upper - lower;
         scan.ceiling = fminf(scan.ceiling, upper);
-        scan.bottom_column = lower < scan.bottom ? c : scan.bottom_column;
+        scan.bottom_column = lower < scan.bottom ? first + j : scan.bottom_column;
         scan.next_bottom = fminf(scan.next_bottom, fmaxf(scan.bottom, lower));
         scan.bottom = fminf(scan.bottom, lower);
+      };
+      // Only a group that meets the anchor's class tests each column: the others (nearly all)
+      // run without the per-column compares and branches.
+      if (first < class_last && first + kVector > class_first) {
+#pragma unroll
+        for (int j = 0; j < kVector; ++j) {
+          if (!in_class(first + j)) negative(j);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kVector; ++j) negative(j);
       }
     }
   }
