@@ -84,6 +84,8 @@ constexpr int kTileDepth = 16;    // elements of each row staged in shared memor
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
 constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives,
 constexpr int kPositiveGroup = 8;     // ... taken 8 at a time (a register each per thread)
+constexpr int kColumnUnroll = 4;      // ... each thread's next 4 columns' labels and distances
+                                      // loaded at once (one after another, each waited on)
 // batch_hard's gradient: a warp per row where that fills the GPU; from 8192 rows 8 rows a warp, so
 // one scan of the anchors serves 64 rows (the scans' reads grow as batch^2 / rows per block).
 constexpr int64_t kGradientSharedScanRows = 8192;
@@ -973,6 +975,29 @@ __device__ __forceinline__ TripletTerm triplet_term(const LossRule& rule, float 
   return {v > 0.f || v != v ? v : 0.f, v > 0.f ? 1.f : 0.f, v > floor};
 }
 
+// fn(c, d[c]) for each column c of the row, from `from` (this thread's: every kRowThreads-th),
+// whose label is not the anchor's, in column order; kColumnUnroll columns' labels and distances
+// loaded before any is looked at.
+template <typename Fn>
+__device__ __forceinline__ void for_each_negative(const MiningChunk& chunk, const float* d,
+                                                  int64_t my_id, int64_t from, Fn fn) {
+  constexpr int64_t kStride = int64_t(kRowThreads) * kColumnUnroll;
+  for (int64_t c0 = from + threadIdx.x; c0 < chunk.batch; c0 += kStride) {
+    int64_t ids[kColumnUnroll];
+    float values[kColumnUnroll];
+#pragma unroll
+    for (int q = 0; q < kColumnUnroll; ++q) {
+      const int64_t c = c0 + int64_t(q) * kRowThreads;
+      ids[q] = c < chunk.batch ? chunk.ids[c] : my_id;
+      values[q] = c < chunk.batch ? d[c] : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < kColumnUnroll; ++q) {
+      if (ids[q] != my_id) fn(c0 + int64_t(q) * kRowThreads, values[q]);
+    }
+  }
+}
+
 // semi_hard's choice for each staged positive j of a row: the nearest negative farther than
 // d(i, j) (the lowest column among equals), else the farthest one; its loss
 // max(margin + d(i, j) - d(i, n), 0) (d(i, n) 0 without negatives) into thread 0's sums. The
@@ -1102,9 +1127,8 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int first = 0; first < filled; first += kPositiveGroup) {
       const int group = min(kPositiveGroup, filled - first);
       float positive_slopes[kPositiveGroup] = {};
-      for (int64_t c = candidates + threadIdx.x; c < batch; c += kRowThreads) {
-        if (chunk.ids[c] == my_id) continue;  // the anchor and its positives
-        const float dn = d[c];
+      // (for_each_negative passes over the anchor and its positives: they share its label)
+      for_each_negative(chunk, d, my_id, candidates, [&](int64_t c, float dn) {
         float slopes = 0.f;
         int hits = 0;
 #pragma unroll
@@ -1118,7 +1142,7 @@ __global__ void __launch_bounds__(kRowThreads)
         }
         count += hits;
         if (w != nullptr) w[c] -= slopes;
-      }
+      });
       if (w == nullptr) continue;
 #pragma unroll
       for (int j = 0; j < kPositiveGroup; ++j) {
