@@ -84,8 +84,8 @@ constexpr int kTileDepth = 16;    // elements of each row staged in shared memor
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
 constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass over the negatives,
 constexpr int kPositiveGroup = 8;     // ... taken 8 at a time (a register each per thread)
-constexpr int kColumnUnroll = 4;      // ... each thread's next 4 columns' labels and distances
-                                      // loaded at once (one after another, each waited on)
+constexpr int kColumnUnroll = 4;      // ... its row loop loading each thread's next 4 columns'
+                                      // labels and distances before it looks at any
 // batch_hard's gradient: a warp per row where that fills the GPU; from 8192 rows 8 rows a warp, so
 // one scan of the anchors serves 64 rows (the scans' reads grow as batch^2 / rows per block).
 constexpr int64_t kGradientSharedScanRows = 8192;
