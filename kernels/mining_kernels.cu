@@ -1,6 +1,7 @@
 // library-only {
-// In-batch mining for mined_triplet_margin_loss (p = 2) on float embeddings (2-byte ones cast
-// exactly first). No atomics: the same inputs give the same bits.
+// In-batch mining for mined_triplet_margin_loss (p = 2) on float embeddings (batch_hard's kernels
+// read 2-byte ones as given, cast exactly; the others a float copy). No atomics: the same inputs
+// give the same bits.
 //   distances_kernel      exact distances of (anchor, candidate) tiles, torch's formula: the
 //                         whole batch x batch (small batches) or one chunk of anchors.
 //   column_sums_kernel, column_means_kernel
@@ -60,8 +61,7 @@ constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
 // + 64 MiB, plus the gradient's bytes (not yet allocated during the forward); beside the products,
 // the rounded rows and under kRowScratchBytes a row (labels' order, bounds, classes, picks,
 // state). Not below 2^24: there the chunks' launches cost 1.2-1.7x the time. Where the call
-// copies the embeddings (2-byte ones as float, unit rows), the backward holds as many float
-// gradients as copies; where those alone pass the bound, full chunks: smaller ones would cost
+// copies the embeddings (unit rows), the backward holds as many float gradients as copies; where those alone pass the bound, full chunks: smaller ones would cost
 // time ((65536, 512) bf16 1.38x) and not meet it.
 constexpr int64_t kMemoryAllowance = int64_t(64) << 20;
 constexpr int64_t kRowScratchBytes = 160;
@@ -162,16 +162,22 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
 
 namespace {
 
+// The chunk's rows as T: the launchers pick T from chunk.dtype.
+template <typename T>
+__device__ __forceinline__ const T* rows_of(const MiningChunk& chunk) {
+  return static_cast<const T*>(chunk.embeddings);
+}
+
 // torch's pairwise_distance squared, sum(((a - b) + eps)^2) in float, lanes striding the row; the
 // butterfly leaves the same bits in every lane.
-__device__ float exact_sq_distance(const float* a, const float* b, int64_t dim, float eps,
-                                   int lane) {
+template <typename T>
+__device__ float exact_sq_distance(const T* a, const T* b, int64_t dim, float eps, int lane) {
   float acc = 0.f;
   int64_t k = lane;
   for (; k + 32 * (kDistanceUnroll - 1) < dim; k += 32 * kDistanceUnroll) {
     float x[kDistanceUnroll], y[kDistanceUnroll];
 #pragma unroll
-    for (int u = 0; u < kDistanceUnroll; ++u) x[u] = a[k + 32 * u], y[u] = b[k + 32 * u];
+    for (int u = 0; u < kDistanceUnroll; ++u) x[u] = to_acc(a[k + 32 * u]), y[u] = to_acc(b[k + 32 * u]);
 #pragma unroll
     for (int u = 0; u < kDistanceUnroll; ++u) {
       const float v = (x[u] - y[u]) + eps;
@@ -179,7 +185,7 @@ __device__ float exact_sq_distance(const float* a, const float* b, int64_t dim, 
     }
   }
   for (; k < dim; k += 32) {
-    const float v = (a[k] - b[k]) + eps;
+    const float v = (to_acc(a[k]) - to_acc(b[k])) + eps;
     acc = fmaf(v, v, acc);
   }
   return warp_all_reduce(acc, Plus());
@@ -232,6 +238,7 @@ __device__ __forceinline__ float rule_distance(const LossRule& rule, float squar
 // w n^2 + |r|^2 / w + 2 gram_bound n^2 (n = max(|x|, |x~|); (n + eps sqrt(D))^2 in the last term
 // for an anchor) around |x|^2 - 2 eps sum(x) as a candidate, |x|^2 + 2 eps sum(x) + D eps^2 as an
 // anchor. bounds: [2, batch] (lower, upper), candidates then anchors.
+template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     gram_rows_kernel(MiningChunk chunk, MiningPlan plan, const int64_t* order, const float* mean,
                      __nv_bfloat16* rounded, float2* bounds, int64_t* classes) {
@@ -250,11 +257,11 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     classes[2 * s + last] = lo;
   }
-  const float* row = chunk.embeddings + order[s] * dim;
+  const T* row = rows_of<T>(chunk) + order[s] * dim;
   __nv_bfloat16* out = rounded + s * dim;
   float sq = 0.f, sum = 0.f, rounded_sq = 0.f, residual_sq = 0.f;
   for (int64_t k = lane; k < dim; k += 32) {
-    const float x = row[k] - mean[k];
+    const float x = to_acc(row[k]) - mean[k];
     const __nv_bfloat16 b = __float2bfloat16_rn(x);
     const float w = __bfloat162float(b), r = x - w;
     out[k] = b;
@@ -384,7 +391,7 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
 // runner-up is a candidate too (or that saw a bound that is not finite) walk those columns again.
 // The warps then combine picks. One body past 100 lines: its passes share the row's bounds and
 // each thread's picks in registers, which a split would send through memory.
-template <int kVector>
+template <int kVector, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     hardest_kernel(MiningChunk chunk, const __nv_bfloat16* gram, const float2* bounds,
                    const int64_t* classes, const int64_t* order, int64_t* positive,
@@ -426,8 +433,8 @@ __global__ void __launch_bounds__(kRowThreads)
                                (next_top > -INFINITY && next_top >= floor);
   const bool walks_negatives = odd_anchor || !(fabsf(negative_spans) < INFINITY) ||
                                (next_bottom < INFINITY && next_bottom <= ceiling);
-  const float* embeddings = chunk.embeddings;
-  const float* anchor_row = embeddings + order[me] * chunk.dim;
+  const T* embeddings = rows_of<T>(chunk);
+  const T* anchor_row = embeddings + order[me] * chunk.dim;
   Pick best_positive{0.f, -1}, best_negative{0.f, -1};
   // The exact distance of sorted column c, kept where it beats the pick so far.
   const auto decide = [&](int64_t c, bool is_positive) {
@@ -497,12 +504,13 @@ __global__ void __launch_bounds__(kRowThreads)
   valid[anchor] = best_positive.index >= 0 && best_negative.index >= 0;
 }
 
+template <typename T>
 __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chunk, float* dists) {
   // Rows staged as float, (depth, row); past the row's end the anchor holds 0 and the candidate
   // eps, so (0 - eps) + eps adds exactly 0.
   __shared__ __align__(16) float anchors[kTileDepth][kTile + 4];
   __shared__ __align__(16) float candidates[kTileDepth][kTile + 4];
-  const float* embeddings = chunk.embeddings;
+  const T* embeddings = rows_of<T>(chunk);
   const int tx = threadIdx.x % (kTile / 4), ty = threadIdx.x / (kTile / 4);
   const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
   const float eps = chunk.eps;
@@ -516,8 +524,9 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
       const int64_t k = k0 + kk, a = row0 + r, c = col0 + r;
       const bool inside = k < chunk.dim;
       next_anchors[q] = inside && a < chunk.rows
-                            ? embeddings[(chunk.first + a) * chunk.dim + k] : 0.f;
-      next_candidates[q] = !inside ? eps : c < chunk.batch ? embeddings[c * chunk.dim + k] : 0.f;
+                            ? to_acc(embeddings[(chunk.first + a) * chunk.dim + k]) : 0.f;
+      next_candidates[q] =
+          !inside ? eps : c < chunk.batch ? to_acc(embeddings[c * chunk.dim + k]) : 0.f;
     }
   };
   float acc[4][4] = {};
@@ -561,8 +570,9 @@ __global__ void __launch_bounds__(kTileThreads) distances_kernel(MiningChunk chu
 
 // The rows' mean, first per slice of rows: a block per 32 columns and slice, lanes along the
 // rows, warps down the slice, the warps' sums added in order. partials: [slices, dim] double.
+template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    column_sums_kernel(const float* x, int64_t batch, int64_t dim, double* partials) {
+    column_sums_kernel(const T* x, int64_t batch, int64_t dim, double* partials) {
   constexpr int kWarps = kRowThreads / 32;
   __shared__ double warp_sums[kWarps][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -573,7 +583,7 @@ __global__ void __launch_bounds__(kRowThreads)
   double sum = 0.0;
   if (column < dim) {
 #pragma unroll 4
-    for (int64_t r = from + warp; r < to; r += kWarps) sum += x[r * dim + column];
+    for (int64_t r = from + warp; r < to; r += kWarps) sum += to_acc(x[r * dim + column]);
   }
   warp_sums[warp][lane] = sum;
   __syncthreads();
@@ -669,7 +679,8 @@ __global__ void __launch_bounds__(kRowThreads)
     gram_distances_kernel(MiningChunk chunk, const float2* terms, float keep_ratio, float* dists) {
   const int64_t anchor = chunk.first + blockIdx.x, batch = chunk.batch;
   const int lane = threadIdx.x % 32;
-  const float* a = chunk.embeddings + anchor * chunk.dim;
+  const float* x = rows_of<float>(chunk);
+  const float* a = x + anchor * chunk.dim;
   float* row = dists + int64_t(blockIdx.x) * batch;
   const float2 mine = terms[anchor];
   const double tail = double(chunk.dim) * chunk.eps * chunk.eps;
@@ -688,8 +699,8 @@ __global__ void __launch_bounds__(kRowThreads)
     }
     for (unsigned todo = __ballot_sync(0xffffffffu, exact); todo != 0; todo &= todo - 1) {
       const int from = __ffs(todo) - 1;
-      const float square = exact_sq_distance(a, chunk.embeddings + (c0 + from) * chunk.dim,
-                                             chunk.dim, chunk.eps, lane);
+      const float square =
+          exact_sq_distance(a, x + (c0 + from) * chunk.dim, chunk.dim, chunk.eps, lane);
       if (lane == from) d = rule_distance(chunk.rule, square);
     }
     if (c < batch) row[c] = d;
@@ -726,7 +737,7 @@ __device__ __forceinline__ double softplus(double x) { return x > 20.0 ? x : log
 // A block per anchor: its hardest positive (largest distance, NaN first, then the lowest index)
 // and negative (smallest), then d(a, p) and d(a, n) again as the triplet op computes them
 // (element differences in float, sums in double) and the rule's loss.
-template <bool kPick>
+template <bool kPick, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     hard_loss_kernel(MiningChunk chunk, const float* dists, const int64_t* picked, float* loss,
                      int64_t* counted, double* state) {
@@ -763,12 +774,13 @@ __global__ void __launch_bounds__(kRowThreads)
   if (!every_anchor && !found) positive = negative = anchor;
   // sentence-transformers: without a negative, the row's largest distance, its farthest positive
   if (every_anchor && negative == anchor) negative = positive;
-  const float* a = chunk.embeddings + anchor * chunk.dim;
-  const float* p = chunk.embeddings + positive * chunk.dim;
-  const float* n = chunk.embeddings + negative * chunk.dim;
+  const T* a = rows_of<T>(chunk) + anchor * chunk.dim;
+  const T* p = rows_of<T>(chunk) + positive * chunk.dim;
+  const T* n = rows_of<T>(chunk) + negative * chunk.dim;
   double sum_ap = 0.0, sum_an = 0.0;
   for (int64_t k = threadIdx.x; k < chunk.dim; k += kRowThreads) {
-    const double v_ap = (a[k] - p[k]) + chunk.eps, v_an = (a[k] - n[k]) + chunk.eps;
+    const float x_a = to_acc(a[k]);
+    const double v_ap = (x_a - to_acc(p[k])) + chunk.eps, v_an = (x_a - to_acc(n[k])) + chunk.eps;
     sum_ap = fma(v_ap, v_ap, sum_ap);
     sum_an = fma(v_an, v_an, sum_an);
   }
@@ -837,6 +849,7 @@ struct Hit {
 // an anchor, then the listed terms in order. One writer per row: no atomics. One body past 100
 // lines: the scan and the writes take turns on one shared list within the block. Bounds for 2
 // blocks an SM (64 registers: 4 fit): (4096, 512) 0.946x the step's GPU time of 1.
+template <typename T>
 __global__ void __launch_bounds__(kRowThreads, 2)
     hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
                          int rows_per_warp, float* grad) {
@@ -847,7 +860,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t batch = chunk.batch, dim = chunk.dim, tile_first = int64_t(blockIdx.x) * tile_rows;
   const auto in_tile = [&](int64_t row) { return uint64_t(row - tile_first) < uint64_t(tile_rows); };
-  const float* x = chunk.embeddings;
+  const T* x = rows_of<T>(chunk);
   const float eps = chunk.eps;
   int64_t next = 0;
   bool first_round = true;
@@ -902,7 +915,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       const int tile_row = warp * rows_per_warp + r;
       const int64_t m = tile_first + tile_row;
       if (m >= batch) break;
-      const float* xm = x + m * dim;
+      const T* xm = x + m * dim;
       float* out = grad + m * dim;
       const HardScales own =
           first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m),
@@ -914,14 +927,16 @@ __global__ void __launch_bounds__(kRowThreads, 2)
 #pragma unroll
         for (int u = 0; u < kGradientSlice; ++u) {
           const int64_t k = k0 + 32 * u;
-          row[u] = k < dim ? xm[k] : 0.f;
+          row[u] = k < dim ? to_acc(xm[k]) : 0.f;
           acc[u] = 0.f;
           if (k >= dim) continue;
           if (!first_round) {
             acc[u] = out[k];
           } else if (own.c_ap != 0.f || own.c_an != 0.f) {
-            const float f_ap = __fmul_rn(own.c_ap, (row[u] - x[own.positive * dim + k]) + eps);
-            const float f_an = __fmul_rn(own.c_an, (row[u] - x[own.negative * dim + k]) + eps);
+            const float f_ap =
+                __fmul_rn(own.c_ap, (row[u] - to_acc(x[own.positive * dim + k])) + eps);
+            const float f_an =
+                __fmul_rn(own.c_an, (row[u] - to_acc(x[own.negative * dim + k])) + eps);
             acc[u] = __fadd_rn(f_ap, f_an);
           }
         }
@@ -929,11 +944,13 @@ __global__ void __launch_bounds__(kRowThreads, 2)
           const bool is_mine = base + lane < filled && hits[base + lane].row == tile_row;
           for (unsigned mine = __ballot_sync(0xffffffffu, is_mine); mine != 0; mine &= mine - 1) {
             const Hit hit = hits[base + __ffs(mine) - 1];
-            const float* xa = x + hit.anchor * dim;
+            const T* xa = x + hit.anchor * dim;
 #pragma unroll
             for (int u = 0; u < kGradientSlice; ++u) {
               const int64_t k = k0 + 32 * u;
-              if (k < dim) acc[u] = __fadd_rn(acc[u], __fmul_rn(hit.coef, (xa[k] - row[u]) + eps));
+              if (k < dim) {
+                acc[u] = __fadd_rn(acc[u], __fmul_rn(hit.coef, (to_acc(xa[k]) - row[u]) + eps));
+              }
             }
           }
         }
@@ -1187,7 +1204,7 @@ __global__ void __launch_bounds__(kTileThreads)
   __shared__ __align__(16) float from_rows[kTileDepth][kTile + 4];  // A[m, c]
   __shared__ __align__(16) float from_columns[kTileDepth][kTile + 4];  // A[c, m]
   __shared__ __align__(16) float candidates[kTileDepth][kTile + 4];  // x_c
-  const float* x = chunk.embeddings;
+  const float* x = rows_of<float>(chunk);
   const int64_t batch = chunk.batch, dim = chunk.dim;
   const int tx = threadIdx.x % (kTile / 4), ty = threadIdx.x / (kTile / 4);
   const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
@@ -1332,7 +1349,7 @@ __global__ void __launch_bounds__(kGradientThreads, 2)
   constexpr int kQuarters = kGradientThreads / kGradientRows;
   extern __shared__ __align__(16) unsigned char gradient_shared[];
   GradientShared& sh = *reinterpret_cast<GradientShared*>(gradient_shared);
-  const float* x = chunk.embeddings;
+  const float* x = rows_of<float>(chunk);
   const int64_t batch = chunk.batch, dim = chunk.dim;
   const int64_t row0 = int64_t(blockIdx.y) * kGradientRows;
   const int64_t col0 = int64_t(blockIdx.x) * kGradientCols;
@@ -1521,6 +1538,20 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// launch(T{}) for rows of dtype T: float32, float16 or bfloat16.
+template <typename Launch>
+cudaError_t with_rows(DType dtype, Launch launch) {
+  switch (dtype) {
+    case DType::kFloat: return launch(float{});
+    case DType::kHalf: return launch(__half{});
+    case DType::kBFloat16: return launch(__nv_bfloat16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The kernels of batch_all and semi_hard read float32 rows only.
+bool float_rows(const MiningChunk& chunk) { return chunk.dtype == DType::kFloat; }
+
 }  // namespace
 
 cudaError_t launch_unit_rows(const float* x, int64_t batch, int64_t dim, float* unit,
@@ -1539,36 +1570,47 @@ cudaError_t launch_unit_rows_backward(const float* x, const float* unit_grad, in
 cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
                              const float* mean, void* rounded, float* bounds, int64_t* classes,
                              cudaStream_t stream) {
-  gram_rows_kernel<<<warp_row_blocks(chunk.batch), kRowThreads, 0, stream>>>(
-      chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded),
-      reinterpret_cast<float2*>(bounds), classes);
-  return cudaGetLastError();
+  return with_rows(chunk.dtype, [&](auto element) {
+    gram_rows_kernel<decltype(element)><<<warp_row_blocks(chunk.batch), kRowThreads, 0, stream>>>(
+        chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded),
+        reinterpret_cast<float2*>(bounds), classes);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const void* gram,
                            const float* bounds, const int64_t* classes, const int64_t* order,
                            int64_t* positive, int64_t* negative, bool* valid,
                            cudaStream_t stream) {
-  const auto kernel = plan.vector == 4 ? hardest_kernel<4> : hardest_kernel<1>;
-  kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
-      chunk, static_cast<const __nv_bfloat16*>(gram), reinterpret_cast<const float2*>(bounds),
-      classes, order, positive, negative, valid);
-  return cudaGetLastError();
+  return with_rows(chunk.dtype, [&](auto element) {
+    using T = decltype(element);
+    const auto kernel = plan.vector == 4 ? hardest_kernel<4, T> : hardest_kernel<1, T>;
+    kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
+        chunk, static_cast<const __nv_bfloat16*>(gram), reinterpret_cast<const float2*>(bounds),
+        classes, order, positive, negative, valid);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream) {
   const dim3 grid((chunk.batch + plan.tile - 1) / plan.tile, (chunk.rows + plan.tile - 1) / plan.tile);
-  distances_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, dists);
-  return cudaGetLastError();
+  return with_rows(chunk.dtype, [&](auto element) {
+    distances_kernel<decltype(element)><<<grid, kTileThreads, 0, stream>>>(chunk, dists);
+    return cudaGetLastError();
+  });
 }
 
-cudaError_t launch_column_means(const float* x, int64_t batch, int64_t dim, const MiningPlan& plan,
-                                double* partials, float* mean, cudaStream_t stream) {
+cudaError_t launch_column_means(const void* x, DType dtype, int64_t batch, int64_t dim,
+                                const MiningPlan& plan, double* partials, float* mean,
+                                cudaStream_t stream) {
   if (batch == 0 || dim == 0) return cudaSuccess;  // no mean to write (a grid of 0 is no launch)
-  column_sums_kernel<<<dim3(unsigned((dim + 31) / 32), plan.mean_slices), kRowThreads, 0,
-                       stream>>>(x, batch, dim, partials);
-  const cudaError_t err = cudaGetLastError();
+  const cudaError_t err = with_rows(dtype, [&](auto element) {
+    using T = decltype(element);
+    column_sums_kernel<T><<<dim3(unsigned((dim + 31) / 32), plan.mean_slices), kRowThreads, 0,
+                            stream>>>(static_cast<const T*>(x), batch, dim, partials);
+    return cudaGetLastError();
+  });
   if (err != cudaSuccess) return err;
   column_means_kernel<<<(dim + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
       partials, plan.mean_slices, batch, dim, mean);
@@ -1599,6 +1641,7 @@ cudaError_t launch_centred_rows(const float* x, const float* mean, int64_t batch
 
 cudaError_t launch_gram_distances(const MiningChunk& chunk, const MiningPlan& plan,
                                   const float* terms, float* dists, cudaStream_t stream) {
+  if (!float_rows(chunk)) return cudaErrorInvalidValue;
   gram_distances_kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
       chunk, reinterpret_cast<const float2*>(terms), plan.gram_keep_ratio, dists);
   return cudaGetLastError();
@@ -1607,18 +1650,24 @@ cudaError_t launch_gram_distances(const MiningChunk& chunk, const MiningPlan& pl
 cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
                              const int64_t* picked, float* loss, int64_t* counted,
                              double* state, cudaStream_t stream) {
-  const auto kernel = picked == nullptr ? hard_loss_kernel<true> : hard_loss_kernel<false>;
-  kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, dists, picked, loss, counted, state);
-  return cudaGetLastError();
+  return with_rows(chunk.dtype, [&](auto element) {
+    using T = decltype(element);
+    const auto kernel = picked == nullptr ? hard_loss_kernel<true, T> : hard_loss_kernel<false, T>;
+    kernel<<<chunk.batch, plan.row_block, 0, stream>>>(chunk, dists, picked, loss, counted, state);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                  const double* state, const Upstream& upstream, bool hinge_at_zero,
                                  float* grad, cudaStream_t stream) {
   const int64_t tile_rows = plan.row_block / 32 * plan.gradient_rows_per_warp;
-  hard_gradient_kernel<<<(chunk.batch + tile_rows - 1) / tile_rows, plan.row_block, 0, stream>>>(
-      chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
-  return cudaGetLastError();
+  const unsigned blocks = unsigned((chunk.batch + tile_rows - 1) / tile_rows);
+  return with_rows(chunk.dtype, [&](auto element) {
+    hard_gradient_kernel<decltype(element)><<<blocks, plan.row_block, 0, stream>>>(
+        chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
+    return cudaGetLastError();
+  });
 }
 
 cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, const float* dists,
@@ -1639,6 +1688,7 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                 const float* weights, const Upstream& upstream, float* grad,
                                 cudaStream_t stream) {
+  if (!float_rows(chunk)) return cudaErrorInvalidValue;
   if (plan.gradient_tensor_cores) {
     const dim3 grid((chunk.dim + kGradientCols - 1) / kGradientCols,
                     (chunk.batch + kGradientRows - 1) / kGradientRows);

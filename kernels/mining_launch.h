@@ -66,13 +66,15 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
 // The largest batch whose distances stay whole (the shape of batch_all's saved weights).
 int64_t whole_batch_rows(Mining mining);
 
-// One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim), float,
-// contiguous (2-byte embeddings cast exactly); ids: each embedding's label. Per-anchor outputs
+// One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim),
+// contiguous, read as float (2-byte ones cast exactly): batch_hard's kernels take them as given,
+// the others a float32 copy (launchers of float32 kernels refuse other rows); ids: each embedding's label. Per-anchor outputs
 // and inputs are indexed by embedding (arrays of `batch`). references > 0: a reference set
 // (pytorch-metric-learning's ref_emb), the last `references` rows, holds every positive and
 // negative, and only the rows before it are anchors (a whole batch only).
 struct MiningChunk {
-  const float* embeddings;
+  const void* embeddings;  // [batch, dim] of dtype: float32, or 2-byte rows for batch_hard
+  DType dtype;
   const int64_t* ids;
   int64_t batch, dim, first, rows;
   int64_t references;
@@ -116,10 +118,11 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
 cudaError_t launch_distances(const MiningChunk& chunk, const MiningPlan& plan, float* dists,
                              cudaStream_t stream);
 
-// The rows' mean, the Gram products' centre: mean [dim] float of x [batch, dim] float, summed in
-// double in a fixed order; partials: [plan.mean_slices, dim] double scratch.
-cudaError_t launch_column_means(const float* x, int64_t batch, int64_t dim, const MiningPlan& plan,
-                                double* partials, float* mean, cudaStream_t stream);
+// The rows' mean, the Gram products' centre: mean [dim] float of x [batch, dim] of dtype (float32
+// or 2-byte), summed in double in a fixed order; partials: [plan.mean_slices, dim] double scratch.
+cudaError_t launch_column_means(const void* x, DType dtype, int64_t batch, int64_t dim,
+                                const MiningPlan& plan, double* partials, float* mean,
+                                cudaStream_t stream);
 
 // batch_hard's label order where plan.rank_labels: sorted_labels and order [batch] int64 as
 // labels.sort(stable) gives them (values, indices); ahead: [plan.rank_slices, batch] int32

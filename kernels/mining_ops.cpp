@@ -34,6 +34,7 @@
 namespace fused_triplet {
 
 bool hinge_passes_at_zero();  // the installed torch's clamp_min convention (triplet_ops.cpp)
+std::optional<DType> kernel_dtype(at::ScalarType type);  // the kernels' element type (triplet_ops.cpp)
 
 namespace {
 
@@ -150,8 +151,9 @@ Saved check_backward_inputs(const at::Tensor& grad, const at::Tensor& count,
 
 // What every mining op does first, for as long as it runs: check its inputs (and the op's own,
 // check_more, after the embeddings' and before any launch), leave autocast, take the inputs'
-// device, read them as contiguous float embeddings (exact for 2-byte ones; scaled to unit length
-// where the rule says) and int64 labels.
+// device, read them as contiguous embeddings (batch_hard's kernels take 2-byte ones as given: no
+// float copy beside them; the others a float copy, exact; scaled to unit length where the rule
+// says) and int64 labels.
 struct MiningCall {
   // The ops' arguments: the mining code, the reduction, the loss rule, as rule_of reads it, and
   // the reference set's rows.
@@ -175,9 +177,12 @@ struct MiningCall {
         no_autocast(c10::autocast_dispatch_keyset),
         guard(embeddings_in.device()),
         stream(c10::cuda::getCurrentCUDAStream(embeddings_in.get_device()).stream()),
-        given(embeddings_in.to(at::kFloat).contiguous()),
+        given(mining == Mining::kBatchHard && !rule.unit_rows
+                  ? embeddings_in.contiguous()
+                  : embeddings_in.to(at::kFloat).contiguous()),
         embeddings(rule.unit_rows ? unit_rows(given) : given),
         labels(labels_in.contiguous()),
+        floats(given.options().dtype(at::kFloat)),
         input_bytes(int64_t(embeddings_in.nbytes())),
         copy_bytes(int64_t(given.is_same(embeddings_in) ? 0 : given.nbytes()) +
                    int64_t(embeddings.is_same(given) ? 0 : embeddings.nbytes())) {}
@@ -189,7 +194,8 @@ struct MiningCall {
   }
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
-    return {embeddings.data_ptr<float>(), ids.data_ptr<int64_t>(), embeddings.size(0),
+    return {embeddings.data_ptr(), *kernel_dtype(embeddings.scalar_type()),
+            ids.data_ptr<int64_t>(), embeddings.size(0),
             embeddings.size(1), 0, embeddings.size(0), references, float(eps), float(margin),
             mining, rule};
   }
@@ -220,9 +226,10 @@ struct MiningCall {
   NoAutocast no_autocast;
   c10::cuda::CUDAGuard guard;
   cudaStream_t stream;
-  at::Tensor given;       // the embeddings as float
+  at::Tensor given;       // the embeddings as given (batch_hard) or as float
   at::Tensor embeddings;  // the rows the kernels read: given, or given scaled to unit length
   at::Tensor labels;
+  at::TensorOptions floats;  // float32 on the call's device: losses, distances, scratch
   int64_t input_bytes;  // the embeddings' bytes as given
   int64_t copy_bytes;   // given's and embeddings' bytes where they are copies
 
@@ -237,13 +244,14 @@ struct MiningCall {
   }
 };
 
-// The rows' mean [dim] of x [batch, dim] float (launch_column_means'), the Gram products' centre.
+// The rows' mean [dim] float of x [batch, dim] (launch_column_means'), the Gram products' centre.
 at::Tensor column_means(const at::Tensor& x, const MiningPlan& plan, cudaStream_t stream) {
-  at::Tensor mean = at::empty({x.size(1)}, x.options());
+  at::Tensor mean = at::empty({x.size(1)}, x.options().dtype(at::kFloat));
   const at::Tensor partials =
       at::empty({plan.mean_slices, x.size(1)}, x.options().dtype(at::kDouble));
-  C10_CUDA_CHECK(launch_column_means(x.data_ptr<float>(), x.size(0), x.size(1), plan,
-                                     partials.data_ptr<double>(), mean.data_ptr<float>(), stream));
+  C10_CUDA_CHECK(launch_column_means(x.data_ptr(), *kernel_dtype(x.scalar_type()), x.size(0),
+                                     x.size(1), plan, partials.data_ptr<double>(),
+                                     mean.data_ptr<float>(), stream));
   return mean;
 }
 
@@ -304,7 +312,7 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
     std::tie(sorted_labels, order) = call.labels.sort(/*stable=*/true, 0, false);
   }
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
-  at::Tensor bounds = at::empty({2, batch, 2}, embeddings.options());
+  at::Tensor bounds = at::empty({2, batch, 2}, call.floats);
   at::Tensor classes = at::empty({batch, 2}, call.labels.options());
   const at::Tensor mean = column_means(embeddings, plan, call.stream);
   C10_CUDA_CHECK(launch_gram_rows(call.whole(sorted_labels, 0.0, eps), plan,
@@ -377,7 +385,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
   const Mining mining = call.mining;
   const at::Tensor& embeddings = call.embeddings;
   const int64_t batch = embeddings.size(0);
-  const at::TensorOptions floats = embeddings.options();
+  const at::TensorOptions& floats = call.floats;
   at::Tensor per_anchor = at::empty({batch}, floats);
   at::Tensor counted = at::empty({batch}, call.labels.options());
   at::Tensor count = at::empty({}, floats);
@@ -451,13 +459,13 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
   const MiningChunk all = call.whole(call.labels, margin, eps);
   at::Tensor out;
   if (embeddings.numel() == 0) {  // nothing to launch (a grid of no columns is not a launch)
-    out = at::zeros(embeddings.sizes(), embeddings.options());
+    out = at::zeros(embeddings.sizes(), call.floats);
   } else if (mining == Mining::kBatchHard) {
-    out = at::empty(embeddings.sizes(), embeddings.options());
+    out = at::empty(embeddings.sizes(), call.floats);
     C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
                                         out.data_ptr<float>(), call.stream));
   } else if (saved == Saved::kWeights) {
-    out = at::empty(embeddings.sizes(), embeddings.options());
+    out = at::empty(embeddings.sizes(), call.floats);
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
                                        out.data_ptr<float>(), call.stream));
   } else if (saved == Saved::kGradient) {  // the upstream gradient as upstream_of applies it
@@ -466,7 +474,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
   } else {  // the weights again, a chunk of anchors at a time
     const AllDistances distances(call, plan);
     AllGradient gradient(call, plan);
-    at::Tensor dists = at::empty({plan.chunk_rows, batch}, embeddings.options());
+    at::Tensor dists = at::empty({plan.chunk_rows, batch}, call.floats);
     at::Tensor weights = at::empty_like(dists);
     call.for_each_chunk(plan, call.labels, margin, eps, [&](const MiningChunk& chunk) {
       distances.write(chunk, dists.narrow(0, 0, chunk.rows));

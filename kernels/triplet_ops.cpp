@@ -40,16 +40,9 @@
 #include <unordered_map>
 
 namespace fused_triplet {
-namespace {
 
-// Whether the installed torch's clamp_min passes the gradient at exactly its bound: probed in
-// Python when the library loads, set through fused_triplet_internal::set_hinge_at_zero.
-std::atomic<bool> hinge_at_zero{false};
-
-// ---- inputs ----------------------------------------------------------------------------------
-
-// The kernels' element type for a tensor dtype; none for every other dtype (float8 types count as
-// floating in c10, and the kernels would read them as wider elements).
+// The kernels' element type for a tensor dtype (the mining ops' too); none for every other dtype
+// (float8 types count as floating in c10, and the kernels would read them as wider elements).
 std::optional<DType> kernel_dtype(at::ScalarType type) {
   switch (type) {
     case at::kHalf: return DType::kHalf;
@@ -59,6 +52,14 @@ std::optional<DType> kernel_dtype(at::ScalarType type) {
     default: return std::nullopt;
   }
 }
+
+namespace {
+
+// Whether the installed torch's clamp_min passes the gradient at exactly its bound: probed in
+// Python when the library loads, set through fused_triplet_internal::set_hinge_at_zero.
+std::atomic<bool> hinge_at_zero{false};
+
+// ---- inputs ----------------------------------------------------------------------------------
 
 bool two_byte(at::ScalarType type) { return type == at::kHalf || type == at::kBFloat16; }
 

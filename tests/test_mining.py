@@ -598,12 +598,15 @@ def test_a_step_never_synchronises(mining):
 
 
 @requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_hard_scratch_within_the_memory_bound(dtype):
+@pytest.mark.parametrize("batch, dim, dtype", [(12288, 32, torch.float32),
+                                               (12288, 32, torch.bfloat16),
+                                               (36864, 512, torch.bfloat16)])
+def test_batch_hard_scratch_within_the_memory_bound(batch, dim, dtype):
     # Beyond the embeddings and their gradient, a step's peak stays within twice the embeddings'
     # bytes + 64 MiB: at narrow rows the bfloat16 products' chunks shrink to fit (2^26 products
-    # would take 128 MiB).
-    x, labels = labelled_batch(12288, 32, 1536, dtype=dtype, device="cuda", seed=21)
+    # would take 128 MiB); wide 2-byte rows are read as given (a float copy and its float
+    # gradient alone would pass the bound).
+    x, labels = labelled_batch(batch, dim, batch // 8, dtype=dtype, device="cuda", seed=21)
     e = x.clone().requires_grad_(True)
     ft.mined_triplet_margin_loss(e, labels).backward()  # built and warm
     e.grad = None
