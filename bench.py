@@ -412,13 +412,15 @@ def launches_and_syncs(fn, args):
 
 def time_synced(fns: dict, args, rounds: int, warmup: int):
     """{name: [ms per round]} with the host in the window: synchronised before, each call timed
-    on the host clock until the device has finished it, contenders interleaved."""
+    on the host clock until the device has finished it, contenders interleaved, in reverse order
+    every other round (the first of a round read 2-4% slower than the second, whichever it was)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn(*args)
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for round_index in range(rounds):
+        order = list(fns.items())
+        for name, fn in order if round_index % 2 == 0 else reversed(order):
             torch.cuda.synchronize()
             start = time.perf_counter()
             fn(*args)
