@@ -61,8 +61,9 @@ constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
 // + 64 MiB, plus the gradient's bytes (not yet allocated during the forward); beside the products,
 // the rounded rows and under kRowScratchBytes a row (labels' order, bounds, classes, picks,
 // state). Not below 2^24: there the chunks' launches cost 1.2-1.7x the time. Where the call
-// copies the embeddings (unit rows), the backward holds as many float gradients as copies; where those alone pass the bound, full chunks: smaller ones would cost
-// time ((65536, 512) bf16 1.38x) and not meet it.
+// copies the embeddings (unit rows), the backward holds as many float gradients as copies;
+// where those alone pass the bound, full chunks: smaller ones would cost time ((65536, 512) bf16
+// 1.38x) and not meet it.
 constexpr int64_t kMemoryAllowance = int64_t(64) << 20;
 constexpr int64_t kRowScratchBytes = 160;
 constexpr int64_t kHardChunkMinProducts = int64_t(1) << 24;
@@ -177,7 +178,10 @@ __device__ float exact_sq_distance(const T* a, const T* b, int64_t dim, float ep
   for (; k + 32 * (kDistanceUnroll - 1) < dim; k += 32 * kDistanceUnroll) {
     float x[kDistanceUnroll], y[kDistanceUnroll];
 #pragma unroll
-    for (int u = 0; u < kDistanceUnroll; ++u) x[u] = to_acc(a[k + 32 * u]), y[u] = to_acc(b[k + 32 * u]);
+    for (int u = 0; u < kDistanceUnroll; ++u) {
+      x[u] = to_acc(a[k + 32 * u]);
+      y[u] = to_acc(b[k + 32 * u]);
+    }
 #pragma unroll
     for (int u = 0; u < kDistanceUnroll; ++u) {
       const float v = (x[u] - y[u]) + eps;

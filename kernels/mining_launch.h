@@ -68,10 +68,11 @@ int64_t whole_batch_rows(Mining mining);
 
 // One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim),
 // contiguous, read as float (2-byte ones cast exactly): batch_hard's kernels take them as given,
-// the others a float32 copy (launchers of float32 kernels refuse other rows); ids: each embedding's label. Per-anchor outputs
-// and inputs are indexed by embedding (arrays of `batch`). references > 0: a reference set
-// (pytorch-metric-learning's ref_emb), the last `references` rows, holds every positive and
-// negative, and only the rows before it are anchors (a whole batch only).
+// the others a float32 copy (launchers of float32 kernels refuse other rows); ids: each
+// embedding's label. Per-anchor outputs and inputs are indexed by embedding (arrays of `batch`).
+// references > 0: a reference set (pytorch-metric-learning's ref_emb), the last `references`
+// rows, holds every positive and negative, and only the rows before it are anchors (a whole
+// batch only).
 struct MiningChunk {
   const void* embeddings;  // [batch, dim] of dtype: float32, or 2-byte rows for batch_hard
   DType dtype;

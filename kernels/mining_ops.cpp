@@ -34,7 +34,7 @@
 namespace fused_triplet {
 
 bool hinge_passes_at_zero();  // the installed torch's clamp_min convention (triplet_ops.cpp)
-std::optional<DType> kernel_dtype(at::ScalarType type);  // the kernels' element type (triplet_ops.cpp)
+std::optional<DType> kernel_dtype(at::ScalarType type);  // the kernels' element type (ditto)
 
 namespace {
 
