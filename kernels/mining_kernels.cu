@@ -22,6 +22,9 @@
 //   hard_gradient_kernel  batch_hard's gradient: every row written once, no gathers.
 //   batch_all_kernel      batch_all: per anchor, the sum and count of relu(margin + d_ap - d_an)
 //                         over its (positive, negative) pairs; the weights d loss / d d(i, c) / d.
+//   sparse_rows_gradient_kernel, sparse_columns_gradient_kernel
+//                         semi_hard's gradient past the whole batch from a chunk's weights,
+//                         their few nonzeros a row read as they are.
 //   all_gradient_kernel, all_gradient_mma_kernel
 //                         batch_all's gradient from the whole batch's weights, tiled: exact
 //                         differences in float, or (more tiles) double tensor-core products.
@@ -98,6 +101,11 @@ constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per s
 // 0.73x the float kernel's step; fewer tiles leave SMs idle (1024 x 512: 1.10x), there the float
 // kernel's 64 x 64 tiles.
 constexpr int64_t kGradientMmaTiles = 128;
+// semi_hard past the whole batch: its chunks' weights read for their few nonzeros (two a pair)
+// instead of multiplied out in double (B x B x D products for 2 x pairs x D terms).
+constexpr int kSparseUnroll = 8;    // ... each lane's loads in flight while it scans
+constexpr int kSparseSlots = 512;   // ... a row's nonzeros listed per round (a warp's list)
+constexpr int kColumnSlots = 8;     // ... a column's nonzeros listed per round and warp
 // The Gram products' centre, the rows' mean, summed in 64 slices of rows apart (a block per 32
 // columns and slice fills the GPU at every batch), then the slices in order: deterministic, and
 // no scratch beyond [64, dim] doubles (torch's mean took 16 MiB at (4096, 512)).
@@ -152,6 +160,7 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
   plan.gram_keep_ratio = kGramKeepRatio;
   plan.gradient_part_rows = std::min(kGradientPartRows, plan.chunk_rows);
   plan.gradient_rows_per_warp = batch >= kGradientSharedScanRows ? kGradientRowsPerWarp : 1;
+  plan.sparse_gradient = mining == Mining::kSemiHard;
   plan.gradient_tensor_cores = cc_major >= 9 && (batch + kGradientRows - 1) / kGradientRows *
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
                                                  kGradientMmaTiles;
@@ -1199,6 +1208,116 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// semi_hard past the whole batch: the gradient from a chunk's rows of weights A [rows, batch],
+// which hold a few nonzeros each (every (anchor, positive) pair's positive and chosen negative),
+// read as they are instead of in double matrix products: differences exact in float, then
+// scaled, sums in double into out [batch, dim] (one writer per row, chunks in order: the same
+// bits each run). First the rows: out_i += sum_c A[i, c] (x_i - x_c + eps), a warp per anchor
+// row, its nonzeros listed in column order kSparseSlots at a time (kSparseUnroll loads in flight).
+__global__ void __launch_bounds__(kRowThreads)
+    sparse_rows_gradient_kernel(MiningChunk chunk, const float* weights, double* out) {
+  constexpr int kWarps = kRowThreads / 32;
+  __shared__ int listed_columns[kWarps][kSparseSlots];
+  __shared__ float listed_weights[kWarps][kSparseSlots];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + warp;
+  if (row >= chunk.rows) return;  // a warp's own work: no block barrier below
+  const int64_t batch = chunk.batch, dim = chunk.dim, i = chunk.first + row;
+  const float* x = rows_of<float>(chunk);
+  const float* a = weights + row * batch;
+  int* columns = listed_columns[warp];
+  float* values = listed_weights[warp];
+  int64_t from = 0;
+  while (from < batch) {
+    int filled = 0;
+    while (from < batch && filled + 32 * kSparseUnroll <= kSparseSlots) {
+      float w[kSparseUnroll];
+#pragma unroll
+      for (int u = 0; u < kSparseUnroll; ++u) {
+        const int64_t c = from + 32 * u + lane;
+        w[u] = c < batch ? a[c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kSparseUnroll; ++u) {  // NaN weights are listed too
+        const unsigned listed = __ballot_sync(0xffffffffu, w[u] != 0.f);
+        if (w[u] != 0.f) {
+          const int slot = filled + __popc(listed & ((1u << lane) - 1u));
+          columns[slot] = int(from + 32 * u + lane);
+          values[slot] = w[u];
+        }
+        filled += __popc(listed);
+      }
+      from += 32 * kSparseUnroll;
+    }
+    __syncwarp();
+    for (int64_t k = lane; k < dim; k += 32) {
+      const float xi = x[i * dim + k];
+      double sum = 0.0;
+      for (int j = 0; j < filled; ++j) {
+        sum += __fmul_rn(values[j], (xi - x[int64_t(columns[j]) * dim + k]) + chunk.eps);
+      }
+      out[i * dim + k] += sum;
+    }
+    __syncwarp();  // the list is read before the next scan refills it
+  }
+}
+
+// ... then the columns: out_c -= sum_i A[i, c] (x_i - x_c + eps), a block per 32 columns. Warp v
+// lists each column's nonzeros (a lane per column) in rows [v R / 8, (v + 1) R / 8), until a list
+// is full; then warp w adds columns w, w + 8, ... over the lists in warp order (rows in order).
+__global__ void __launch_bounds__(kRowThreads)
+    sparse_columns_gradient_kernel(MiningChunk chunk, const float* weights, double* out) {
+  constexpr int kWarps = kRowThreads / 32;
+  __shared__ int listed_rows[kWarps][kColumnSlots][32];
+  __shared__ float listed_weights[kWarps][kColumnSlots][32];
+  __shared__ int listed_counts[kWarps][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t batch = chunk.batch, dim = chunk.dim, c0 = int64_t(blockIdx.x) * 32;
+  const int64_t c = c0 + lane, span = (chunk.rows + kWarps - 1) / kWarps;
+  const int64_t end = std::min(chunk.rows, (warp + 1) * span);
+  int64_t r = std::min(chunk.rows, warp * span);
+  const float* x = rows_of<float>(chunk);
+  while (__syncthreads_or(r < end)) {
+    int count = 0;
+    bool room = true;
+    while (room && r < end) {
+      float w[kSparseUnroll];
+#pragma unroll
+      for (int u = 0; u < kSparseUnroll; ++u) {
+        w[u] = r + u < end && c < batch ? weights[(r + u) * batch + c] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kSparseUnroll; ++u) {
+        room = __all_sync(0xffffffffu, count < kColumnSlots);
+        if (!room || r >= end) break;  // uniform across the warp
+        if (w[u] != 0.f) {
+          listed_rows[warp][count][lane] = int(r);
+          listed_weights[warp][count][lane] = w[u];
+          ++count;
+        }
+        ++r;
+      }
+    }
+    listed_counts[warp][lane] = count;
+    __syncthreads();
+    for (int column = warp; column < 32 && c0 + column < batch; column += kWarps) {
+      const int64_t m = c0 + column;
+      for (int64_t k = lane; k < dim; k += 32) {
+        const float xm = x[m * dim + k];
+        double sum = 0.0;
+        for (int v = 0; v < kWarps; ++v) {
+          for (int j = 0; j < listed_counts[v][column]; ++j) {
+            const int64_t anchor = chunk.first + listed_rows[v][j][column];
+            sum += __fmul_rn(listed_weights[v][j][column], (x[anchor * dim + k] - xm) + chunk.eps);
+          }
+        }
+        out[m * dim + k] -= sum;
+      }
+    }
+    __syncthreads();  // the lists are read before the next scan refills them
+  }
+}
+
 // grad_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps) with A[i, c] =
 // g_i weights[i, c], written as sum_c (A[m, c] + A[c, m]) (x_m - x_c) + eps (sum_c A[m, c] -
 // A[c, m]): each difference exact before it is scaled. Tiles of 64 rows x 64 elements, the
@@ -1706,6 +1825,20 @@ cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan
                     (chunk.batch + plan.tile - 1) / plan.tile);
     all_gradient_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, weights, upstream, grad);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_sparse_gradient(const MiningChunk& chunk, const float* weights, double* out,
+                                   cudaStream_t stream) {
+  if (!float_rows(chunk)) return cudaErrorInvalidValue;
+  if (chunk.rows == 0) return cudaSuccess;  // a grid of 0 blocks is no launch
+  constexpr int kWarps = kRowThreads / 32;
+  sparse_rows_gradient_kernel<<<unsigned((chunk.rows + kWarps - 1) / kWarps), kRowThreads, 0,
+                                stream>>>(chunk, weights, out);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  sparse_columns_gradient_kernel<<<unsigned((chunk.batch + 31) / 32), kRowThreads, 0, stream>>>(
+      chunk, weights, out);
   return cudaGetLastError();
 }
 

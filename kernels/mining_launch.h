@@ -53,6 +53,7 @@ struct MiningPlan {
   int64_t gradient_part_rows;  // past the whole batch: rows of weights per double product
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
   bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
+  bool sparse_gradient;   // past the whole batch: the chunks' weights read for their nonzeros
   int mean_slices;        // the Gram products' centre: slices of rows summed apart
   bool rank_labels;       // batch_hard's label order by counting compares (else at::sort)
   int rank_slices;        // ... the columns split this many ways
@@ -175,6 +176,12 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                 const float* weights, const Upstream& upstream, float* grad,
                                 cudaStream_t stream);
+
+// semi_hard's gradient past the whole batch: out [batch, dim] double (zeros before the first
+// chunk) gets a chunk's rows of weights [chunk.rows, batch] (launch_batch_all's, upstream applied):
+// out_m += sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps).
+cudaError_t launch_sparse_gradient(const MiningChunk& chunk, const float* weights, double* out,
+                                   cudaStream_t stream);
 
 // The rows x [batch, dim] float scaled to unit length: unit = x / max(|x|, 1e-12) (the norm in
 // double), a warp per row.

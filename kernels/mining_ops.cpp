@@ -338,18 +338,27 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
 // r and s A's row and column sums, x the rows less their mean (the distances are unchanged and the
 // products' error shrinks to the spread), in double: a row's products nearly cancel where its
 // partners are close (large weights 1 / d), beyond float's precision. launch_batch_all gives r.
+// Where the plan says the weights are sparse (semi_hard), launch_sparse_gradient reads them as
+// they are instead.
 class AllGradient {
  public:
   AllGradient(const MiningCall& call, const MiningPlan& plan)
-      : plan_(plan),
-        x_(centred(call.embeddings.to(at::kDouble))),
-        out_(at::zeros_like(x_)),
-        row_sums_(at::zeros({x_.size(0)}, x_.options())),
-        column_sums_(at::zeros({x_.size(0)}, x_.options())) {}
-  // Where launch_batch_all writes r, by embedding.
-  double* row_sums() { return row_sums_.data_ptr<double>(); }
-  // A's rows [first, first + weights.size(0)), float.
-  void add_rows(const at::Tensor& weights, int64_t first) {
+      : call_(call),
+        plan_(plan),
+        x_(plan.sparse_gradient ? at::Tensor() : centred(call.embeddings.to(at::kDouble))),
+        out_(at::zeros(call.embeddings.sizes(), call.floats.dtype(at::kDouble))),
+        row_sums_(plan.sparse_gradient ? at::Tensor() : at::zeros({out_.size(0)}, out_.options())),
+        column_sums_(row_sums_.defined() ? at::zeros_like(row_sums_) : at::Tensor()) {}
+  // Where launch_batch_all writes r, by embedding (none for the sparse weights).
+  double* row_sums() { return row_sums_.defined() ? row_sums_.data_ptr<double>() : nullptr; }
+  // The chunk's rows of A, float [chunk.rows, batch].
+  void add_rows(const MiningChunk& chunk, const at::Tensor& weights) {
+    if (plan_.sparse_gradient) {
+      C10_CUDA_CHECK(launch_sparse_gradient(chunk, weights.data_ptr<float>(),
+                                            out_.data_ptr<double>(), call_.stream));
+      return;
+    }
+    const int64_t first = chunk.first;
     for (int64_t part = 0; part < weights.size(0); part += plan_.gradient_part_rows) {
       const int64_t rows = std::min(plan_.gradient_part_rows, weights.size(0) - part);
       const at::Tensor a = weights.narrow(0, part, rows).to(at::kDouble);
@@ -359,12 +368,14 @@ class AllGradient {
     }
   }
   at::Tensor result(double eps) {
+    if (plan_.sparse_gradient) return out_;
     return out_.addcmul_(x_, (row_sums_ + column_sums_).unsqueeze(1))
         .add_(eps * (row_sums_ - column_sums_).unsqueeze(1));
   }
 
  private:
   static at::Tensor centred(const at::Tensor& x) { return x - x.mean(0, true); }
+  const MiningCall& call_;
   const MiningPlan& plan_;
   at::Tensor x_, out_, row_sums_, column_sums_;
 };
@@ -425,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_cuda(
             counted.data_ptr<int64_t>(),
             keeps_weights || keeps_gradient ? weights.data_ptr<float>() : nullptr,
             gradient ? gradient->row_sums() : nullptr, call.stream));
-        if (gradient) gradient->add_rows(weights.narrow(0, 0, chunk.rows), chunk.first);
+        if (gradient) gradient->add_rows(chunk, weights.narrow(0, 0, chunk.rows));
       });
       if (gradient) state = gradient->result(eps);
     }
@@ -481,7 +492,7 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
       C10_CUDA_CHECK(launch_batch_all(chunk, plan, dists.data_ptr<float>(), up, nullptr,
                                       nullptr, weights.data_ptr<float>(), gradient.row_sums(),
                                       call.stream));
-      gradient.add_rows(weights.narrow(0, 0, chunk.rows), chunk.first);
+      gradient.add_rows(chunk, weights.narrow(0, 0, chunk.rows));
     });
     out = gradient.result(eps);
   }
