@@ -1032,7 +1032,9 @@ __device__ __forceinline__ void for_each_negative(const MiningChunk& chunk, cons
 // semi_hard's choice for each staged positive j of a row: the nearest negative farther than
 // d(i, j) (the lowest column among equals), else the farthest one; its loss
 // max(margin + d(i, j) - d(i, n), 0) (d(i, n) 0 without negatives) into thread 0's sums. The
-// positives go kPositiveGroup at a time, each thread keeping its columns' best per positive.
+// positives go kPositiveGroup at a time, their distances in registers, each thread keeping its
+// columns' nearest per positive (its columns come in order, so a strict compare keeps the first
+// of equals; NaN until one is seen); the first group's pass finds the farthest negative too.
 // Where weights are wanted, the positive's weight is its slope, and the slot then holds the
 // chosen column (staged, -1: none) and the slope (positive_d) for the negatives' weights.
 __device__ void choose_semi_hard(const MiningChunk& chunk, const float* d, int64_t my_id,
@@ -1040,34 +1042,36 @@ __device__ void choose_semi_hard(const MiningChunk& chunk, const float* d, int64
                                  double& sum, int64_t& count) {
   __shared__ Pick scratch[kRowThreads / 32];
   Pick farthest{0.f, -1};
-  for (int64_t c = threadIdx.x; c < chunk.batch; c += kRowThreads) {
-    const Pick candidate{d[c], c};
-    if (chunk.ids[c] != my_id && beats<true>(candidate, farthest)) farthest = candidate;
-  }
-  farthest = block_best<true>(farthest, scratch);  // thread 0's
-  __syncthreads();
   for (int first = 0; first < filled; first += kPositiveGroup) {
     const int group = min(kPositiveGroup, filled - first);
-    Pick beyond[kPositiveGroup];
+    float beyond_d[kPositiveGroup], nearest[kPositiveGroup];
+    int nearest_column[kPositiveGroup];  // batch < 2^31 (check_mining)
 #pragma unroll
-    for (int j = 0; j < kPositiveGroup; ++j) beyond[j] = {0.f, -1};
+    for (int j = 0; j < kPositiveGroup; ++j) {
+      beyond_d[j] = j < group ? positive_d[first + j] : NAN;  // NaN: nothing is beyond it
+      nearest[j] = NAN;
+      nearest_column[j] = -1;
+    }
+    const bool finds_farthest = first == 0;
     for (int64_t c = threadIdx.x; c < chunk.batch; c += kRowThreads) {
       if (chunk.ids[c] == my_id) continue;
-      const Pick candidate{d[c], c};
+      const float v = d[c];
+      if (finds_farthest && beats<true>(Pick{v, c}, farthest)) farthest = {v, c};
 #pragma unroll
       for (int j = 0; j < kPositiveGroup; ++j) {
-        if (j >= group) break;
-        if (candidate.value > positive_d[first + j] && beats<false>(candidate, beyond[j])) {
-          beyond[j] = candidate;
-        }
+        if (v > beyond_d[j] && !(v >= nearest[j])) nearest[j] = v, nearest_column[j] = int(c);
       }
+    }
+    if (finds_farthest) {
+      farthest = block_best<true>(farthest, scratch);  // thread 0's
+      __syncthreads();  // thread 0 has read the scratch before the next pick fills it
     }
 #pragma unroll
     for (int j = 0; j < kPositiveGroup; ++j) {
       if (j >= group) break;  // uniform across the block: group is
-      const Pick nearest = block_best<false>(beyond[j], scratch);
+      const Pick best = block_best<false>(Pick{nearest[j], nearest_column[j]}, scratch);
       if (threadIdx.x == 0) {
-        const Pick negative = nearest.index >= 0 ? nearest : farthest;
+        const Pick negative = best.index >= 0 ? best : farthest;
         const float v = (chunk.margin + positive_d[first + j]) -
                         (negative.index >= 0 ? negative.value : 0.f);
         const float slope = v > 0.f ? 1.f : 0.f;

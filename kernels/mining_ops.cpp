@@ -89,6 +89,10 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels, Mining
   const at::ScalarType type = embeddings.scalar_type();
   TORCH_CHECK(type == at::kHalf || type == at::kBFloat16 || type == at::kFloat,
               "fused_triplet mining: expected float16, bfloat16 or float32 embeddings, got ", type);
+  // column indices are int32 in the kernels' lists (a batch of 2^31 rows is 2^62 pairs)
+  TORCH_CHECK(embeddings.size(0) < (int64_t(1) << 31),
+              "fused_triplet mining: batches of up to 2^31 - 1 rows, got ",
+              std::to_string(embeddings.size(0)));
   TORCH_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
                   labels.size(0) == embeddings.size(0),
               "fused_triplet mining: expected int64 labels of shape (",

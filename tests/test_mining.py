@@ -676,6 +676,8 @@ def test_raw_ops_refuse_what_the_kernels_do_not_take():
         lambda: ops.mined_triplet_loss(x, labels, 1, 0.5, 0.0, 1, False, 0, 0, 0, 0, 0.0, -1),
         lambda: ops.mined_triplet_loss(big, big_labels, 0, 0.5, 0.0, 1, False, 0, 0, 0, 0, 0.0,
                                        100),  # a reference set past the whole batch's kernels
+        lambda: ops.mined_triplet_loss(x[:1, :1].expand(2**31, 1), labels[:1].expand(2**31), 2,
+                                       0.5, 1e-6, 1),  # 2^31 rows (no memory: strides of 0)
         lambda: ops.mined_triplet_loss_backward(one.half(), x, labels, count, state, 0, 0.5, 1e-6,
                                                 1, True),
         lambda: ops.mined_triplet_loss_backward(torch.ones(7, device="cuda"), x, labels, count,
