@@ -324,6 +324,19 @@ def test_sentence_transformers_drop_ins_past_the_whole_batch(name, size):
 
 
 @requires_cuda
+@pytest.mark.parametrize("size", [1000, 4500])
+def test_semi_hard_is_deterministic(size):
+    # 4500 rows: the gradient from each chunk's sparse weights, rows then columns, in order
+    g = torch.Generator().manual_seed(11)
+    labels = torch.randint(0, size // 8, (size,), generator=g).cuda()
+    x = torch.randn(size, 64, generator=g).cuda()
+    loss = ft.BatchSemiHardTripletLoss(None, margin=0.7)
+    first, second = (value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
+                     for _ in range(2))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@requires_cuda
 def test_fused_drop_ins_take_two_byte_embeddings_and_float_labels():
     losses = st_losses()
     x, labels = batch("plain", size=128, dim=32)

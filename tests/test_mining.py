@@ -347,9 +347,12 @@ def test_batch_hard_ties_and_duplicates():
 
 
 @requires_cuda
-@pytest.mark.parametrize("mining", MININGS)
-def test_kernels_are_deterministic(mining):
-    x, labels = labelled_batch(1000, 64, 50, dtype=torch.float32, device="cuda", seed=9)
+@pytest.mark.parametrize("mining,batch,dtype", [
+    ("batch_hard", 1000, torch.float32), ("batch_all", 1000, torch.float32),
+    ("batch_hard", 9000, torch.bfloat16),  # chunks of bfloat16 Gram products, 2-byte rows as given
+    ("batch_all", 4500, torch.float32)])  # chunks, the double products
+def test_kernels_are_deterministic(mining, batch, dtype):
+    x, labels = labelled_batch(batch, 64, batch // 20, dtype=dtype, device="cuda", seed=9)
     results = []
     for _ in range(2):
         e = x.clone().requires_grad_(True)
