@@ -19,7 +19,9 @@
 //   hardest_kernel        batch_hard, large batches: from the bfloat16 Gram matrix's approximate
 //                         squared distances and their error bounds, the candidates that can be
 //                         the hardest positive or negative, decided by their exact distance.
-//   hard_gradient_kernel  batch_hard's gradient: every row written once, no gathers.
+//   hard_gradient_kernel, hard_gradient_sorted_kernel
+//                         batch_hard's gradient: every row written once, no gathers (the
+//                         anchors' choices scanned, or sorted by row for large batches).
 //   batch_all_kernel      batch_all: per anchor, the sum and count of relu(margin + d_ap - d_an)
 //                         over its (positive, negative) pairs; the weights d loss / d d(i, c) / d.
 //   sparse_rows_gradient_kernel, sparse_columns_gradient_kernel
@@ -90,10 +92,16 @@ constexpr int kPositiveSlots = 2048;  // batch_all: positives staged per pass ov
 constexpr int kPositiveGroup = 8;     // ... taken 8 at a time (a register each per thread)
 constexpr int kColumnUnroll = 4;      // ... its row loop loading each thread's next 4 columns'
                                       // labels and distances before it looks at any
-// batch_hard's gradient: a warp per row where that fills the GPU; from 8192 rows 8 rows a warp, so
-// one scan of the anchors serves 64 rows (the scans' reads grow as batch^2 / rows per block).
+// batch_hard's gradient: each block scans every anchor's choices for its rows, a warp per row
+// where that fills the GPU; from 8192 rows 8 rows a warp, so one scan of the anchors serves 64
+// rows (the scans' reads grow as batch^2 / rows per block). From 16384 rows the choices sorted
+// by the row chosen first (at::sort of int32 keys: about 10 launches, issued while the forward's
+// kernels run) and each row reads its own run: GPU time (16384, 512) 0.972x, bf16 0.958x,
+// (32768, 128) 0.973x, (65536, 512) 0.977x; at 8192 rows the sort's host time showed
+// ((8192, 128) 1.30x the synced step).
 constexpr int64_t kGradientSharedScanRows = 8192;
 constexpr int kGradientRowsPerWarp = 8;
+constexpr int64_t kGradientSortedRows = 16384;
 constexpr int kGradientSlice = 8;     // ... each lane holding 8 elements of a row at a time
 constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per scan round
 // batch_all's whole-batch gradient on the double tensor cores (sm_90, where it was measured) where
@@ -160,6 +168,7 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
   plan.gram_keep_ratio = kGramKeepRatio;
   plan.gradient_part_rows = std::min(kGradientPartRows, plan.chunk_rows);
   plan.gradient_rows_per_warp = batch >= kGradientSharedScanRows ? kGradientRowsPerWarp : 1;
+  plan.gradient_sorted_choices = batch >= kGradientSortedRows;
   plan.sparse_gradient = mining == Mining::kSemiHard;
   plan.gradient_tensor_cores = cc_major >= 9 && (batch + kGradientRows - 1) / kGradientRows *
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
@@ -856,12 +865,57 @@ struct Hit {
   float coef;
 };
 
+// Writes gradient row m, slice by slice, lanes in step: its own term as an anchor (own; resume:
+// the row's sum so far, read back, instead), then the terms of the anchors that chose it, as
+// for_each_hit(add) passes them, add(anchor, coef) in the same order for every lane.
+template <typename T, typename ForEachHit>
+__device__ __forceinline__ void write_gradient_row(const MiningChunk& chunk, int64_t m,
+                                                   const HardScales& own, bool resume,
+                                                   float* grad, int lane,
+                                                   ForEachHit for_each_hit) {
+  const int64_t dim = chunk.dim;
+  const T* x = rows_of<T>(chunk);
+  const T* xm = x + m * dim;
+  const float eps = chunk.eps;
+  float* out = grad + m * dim;
+  for (int64_t slice = 0; slice < dim; slice += 32 * kGradientSlice) {
+    const int64_t k0 = slice + lane;
+    float row[kGradientSlice], acc[kGradientSlice];
+#pragma unroll
+    for (int u = 0; u < kGradientSlice; ++u) {
+      const int64_t k = k0 + 32 * u;
+      row[u] = k < dim ? to_acc(xm[k]) : 0.f;
+      acc[u] = 0.f;
+      if (k >= dim) continue;
+      if (resume) {
+        acc[u] = out[k];
+      } else if (own.c_ap != 0.f || own.c_an != 0.f) {
+        const float f_ap = __fmul_rn(own.c_ap, (row[u] - to_acc(x[own.positive * dim + k])) + eps);
+        const float f_an = __fmul_rn(own.c_an, (row[u] - to_acc(x[own.negative * dim + k])) + eps);
+        acc[u] = __fadd_rn(f_ap, f_an);
+      }
+    }
+    for_each_hit([&](int64_t anchor, float coef) {
+      const T* xa = x + anchor * dim;
+#pragma unroll
+      for (int u = 0; u < kGradientSlice; ++u) {
+        const int64_t k = k0 + 32 * u;
+        if (k < dim) acc[u] = __fadd_rn(acc[u], __fmul_rn(coef, (to_acc(xa[k]) - row[u]) + eps));
+      }
+    });
+#pragma unroll
+    for (int u = 0; u < kGradientSlice; ++u) {
+      if (k0 + 32 * u < dim) out[k0 + 32 * u] = acc[u];
+    }
+  }
+}
+
 // A block per tile of 64 rows, 8 per warp. The block scans the anchors for those that chose a
 // tile row as positive or negative and lists them (anchor order; a full list is worked off
-// before the scan goes on); each warp then writes its rows slice by slice: the row's own term as
-// an anchor, then the listed terms in order. One writer per row: no atomics. One body past 100
-// lines: the scan and the writes take turns on one shared list within the block. Bounds for 2
-// blocks an SM (64 registers: 4 fit): (4096, 512) 0.946x the step's GPU time of 1.
+// before the scan goes on, the rows' sums so far read back); each warp then writes its rows. One
+// writer per row: no atomics. One body past 100 lines: the scan and the writes take turns on one
+// shared list within the block. Bounds for 2 blocks an SM (64 registers: 4 fit): (4096, 512)
+// 0.946x the step's GPU time of 1.
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads, 2)
     hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
@@ -871,10 +925,8 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   __shared__ Hit hits[kHitSlots];
   __shared__ int warp_counts[2][kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int64_t batch = chunk.batch, dim = chunk.dim, tile_first = int64_t(blockIdx.x) * tile_rows;
+  const int64_t batch = chunk.batch, tile_first = int64_t(blockIdx.x) * tile_rows;
   const auto in_tile = [&](int64_t row) { return uint64_t(row - tile_first) < uint64_t(tile_rows); };
-  const T* x = rows_of<T>(chunk);
-  const float eps = chunk.eps;
   int64_t next = 0;
   bool first_round = true;
   do {
@@ -928,54 +980,79 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       const int tile_row = warp * rows_per_warp + r;
       const int64_t m = tile_first + tile_row;
       if (m >= batch) break;
-      const T* xm = x + m * dim;
-      float* out = grad + m * dim;
-      const HardScales own =
-          first_round ? hard_scales(state, batch, m, chunk.margin, upstream_of(up, m),
-                                    hinge_at_zero, chunk.rule)
-                      : HardScales{0, 0, 0.f, 0.f};
-      for (int64_t slice = 0; slice < dim; slice += 32 * kGradientSlice) {  // all lanes in step
-        const int64_t k0 = slice + lane;
-        float row[kGradientSlice], acc[kGradientSlice];
-#pragma unroll
-        for (int u = 0; u < kGradientSlice; ++u) {
-          const int64_t k = k0 + 32 * u;
-          row[u] = k < dim ? to_acc(xm[k]) : 0.f;
-          acc[u] = 0.f;
-          if (k >= dim) continue;
-          if (!first_round) {
-            acc[u] = out[k];
-          } else if (own.c_ap != 0.f || own.c_an != 0.f) {
-            const float f_ap =
-                __fmul_rn(own.c_ap, (row[u] - to_acc(x[own.positive * dim + k])) + eps);
-            const float f_an =
-                __fmul_rn(own.c_an, (row[u] - to_acc(x[own.negative * dim + k])) + eps);
-            acc[u] = __fadd_rn(f_ap, f_an);
-          }
-        }
+      const HardScales own = first_round ? hard_scales(state, batch, m, chunk.margin,
+                                                       upstream_of(up, m), hinge_at_zero,
+                                                       chunk.rule)
+                                         : HardScales{0, 0, 0.f, 0.f};
+      write_gradient_row<T>(chunk, m, own, !first_round, grad, lane, [&](auto add) {
         for (int base = 0; base < filled; base += 32) {  // the row's hits, 32 looked at at once
           const bool is_mine = base + lane < filled && hits[base + lane].row == tile_row;
           for (unsigned mine = __ballot_sync(0xffffffffu, is_mine); mine != 0; mine &= mine - 1) {
             const Hit hit = hits[base + __ffs(mine) - 1];
-            const T* xa = x + hit.anchor * dim;
-#pragma unroll
-            for (int u = 0; u < kGradientSlice; ++u) {
-              const int64_t k = k0 + 32 * u;
-              if (k < dim) {
-                acc[u] = __fadd_rn(acc[u], __fmul_rn(hit.coef, (to_acc(xa[k]) - row[u]) + eps));
-              }
-            }
+            add(hit.anchor, hit.coef);
           }
         }
-#pragma unroll
-        for (int u = 0; u < kGradientSlice; ++u) {
-          if (k0 + 32 * u < dim) out[k0 + 32 * u] = acc[u];
-        }
-      }
+      });
     }
     first_round = false;
     __syncthreads();  // the list is worked off before the scan refills it
   } while (next < batch);
+}
+
+// The first place in sorted[0, n) whose value is >= value: the warp's lanes probe 32 places a
+// round (4 rounds for 2^17 values), every lane ends with the same answer.
+__device__ __forceinline__ int64_t warp_lower_bound(const int32_t* sorted, int64_t n, int32_t value,
+                                                    int lane) {
+  int64_t lo = 0, hi = n;  // the answer lies in [lo, hi]
+  while (lo < hi) {
+    const int64_t step = (hi - lo + 31) / 32;
+    const int64_t probe = lo + (lane + 1) * step - 1;
+    const unsigned below = __ballot_sync(0xffffffffu, probe < hi && sorted[probe] < value);
+    const int64_t passed = __popc(below);  // lanes [0, passed) probed values below
+    lo += passed * step;
+    hi = min(hi, lo + step - 1);
+  }
+  return lo;
+}
+
+// batch_hard's gradient from the anchors' choices sorted by the row chosen: rows [2 batch] int32
+// (each anchor's positive, then each anchor's negative, as the state holds them, stably sorted) and
+// places (their index before the sort: i for anchor i's positive, batch + i for its negative). A
+// warp per row: its own term, then its run of the sorted choices in order (positives, then
+// negatives, each in anchor order), 32 at a time. One writer per row: no atomics.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    hard_gradient_sorted_kernel(MiningChunk chunk, const double* state, Upstream up,
+                                bool hinge_at_zero, const int32_t* rows, const int64_t* places,
+                                float* grad) {
+  const int lane = threadIdx.x % 32;
+  const int64_t m = warp_row(), batch = chunk.batch, choices = 2 * batch;
+  if (m >= batch) return;
+  const HardScales own =
+      hard_scales(state, batch, m, chunk.margin, upstream_of(up, m), hinge_at_zero, chunk.rule);
+  const int64_t first = warp_lower_bound(rows, choices, int32_t(m), lane);
+  write_gradient_row<T>(chunk, m, own, false, grad, lane, [&](auto add) {
+    for (int64_t base = first;; base += 32) {  // the run of m's choices, 32 at a time
+      const int64_t at = base + lane;
+      const bool in_run = at < choices && rows[at] == m;
+      const int64_t place = at < choices ? places[at] : 0;  // read beside rows[at]
+      int64_t anchor = m;  // m: no term (an anchor without a positive or negative holds itself)
+      float coef = 0.f;
+      if (in_run) {
+        anchor = place < batch ? place : place - batch;
+        if (anchor != m) {
+          const HardScales s = hard_scales(state, batch, anchor, chunk.margin,
+                                           upstream_of(up, anchor), hinge_at_zero, chunk.rule);
+          coef = place < batch ? -s.c_ap : -s.c_an;
+        }
+      }
+      for (unsigned left = __ballot_sync(0xffffffffu, anchor != m); left != 0; left &= left - 1) {
+        const int from = __ffs(left) - 1;
+        add(__shfl_sync(0xffffffffu, anchor, from), __shfl_sync(0xffffffffu, coef, from));
+      }
+      if (__ballot_sync(0xffffffffu, in_run) != 0xffffffffu) break;  // the run ended here
+    }
+  });
 }
 
 // One triplet's part in batch_all by the rule: its loss, d loss / d (d_ap - d_an), and whether
@@ -1787,12 +1864,19 @@ cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, c
 
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                  const double* state, const Upstream& upstream, bool hinge_at_zero,
-                                 float* grad, cudaStream_t stream) {
+                                 const int32_t* sorted_rows, const int64_t* places, float* grad,
+                                 cudaStream_t stream) {
   const int64_t tile_rows = plan.row_block / 32 * plan.gradient_rows_per_warp;
-  const unsigned blocks = unsigned((chunk.batch + tile_rows - 1) / tile_rows);
   return with_rows(chunk.dtype, [&](auto element) {
-    hard_gradient_kernel<decltype(element)><<<blocks, plan.row_block, 0, stream>>>(
-        chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
+    using T = decltype(element);
+    if (plan.gradient_sorted_choices) {
+      hard_gradient_sorted_kernel<T><<<warp_row_blocks(chunk.batch), kRowThreads, 0, stream>>>(
+          chunk, state, upstream, hinge_at_zero, sorted_rows, places, grad);
+    } else {
+      hard_gradient_kernel<T><<<unsigned((chunk.batch + tile_rows - 1) / tile_rows),
+                                plan.row_block, 0, stream>>>(
+          chunk, state, upstream, hinge_at_zero, plan.gradient_rows_per_warp, grad);
+    }
     return cudaGetLastError();
   });
 }

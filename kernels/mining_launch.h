@@ -52,6 +52,7 @@ struct MiningPlan {
   float gram_keep_ratio;  // a Gram distance is kept where d^2 >= (|x~_i|^2 + |x~_c|^2) / this
   int64_t gradient_part_rows;  // past the whole batch: rows of weights per double product
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
+  bool gradient_sorted_choices;  // ... from the choices sorted by row (else each block scans them)
   bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
   bool sparse_gradient;   // past the whole batch: the chunks' weights read for their nonzeros
   int mean_slices;        // the Gram products' centre: slices of rows summed apart
@@ -154,10 +155,14 @@ cudaError_t launch_hard_loss(const MiningChunk& chunk, const MiningPlan& plan, c
                              double* state, cudaStream_t stream);
 
 // batch_hard's gradient of the embeddings (float [batch, dim]), every row written: each anchor's
-// own term, then the anchors that chose the row as positive or negative, in anchor order.
+// own term, then the anchors that chose the row as positive or negative. Where
+// plan.gradient_sorted_choices: sorted_rows [2 batch] int32, the state's positives then
+// negatives stably sorted, and places [2 batch] int64, their indices before the sort (else both
+// unused: each block scans the choices).
 cudaError_t launch_hard_gradient(const MiningChunk& chunk, const MiningPlan& plan,
                                  const double* state, const Upstream& upstream, bool hinge_at_zero,
-                                 float* grad, cudaStream_t stream);
+                                 const int32_t* sorted_rows, const int64_t* places, float* grad,
+                                 cudaStream_t stream);
 
 // batch_all (or semi_hard) over the chunk's rows of exact distances: each anchor's sum of the
 // rule's loss over its (positive j, negative k) pairs in the band (semi_hard: over its positives

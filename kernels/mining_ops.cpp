@@ -16,6 +16,7 @@
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/sort.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -477,8 +478,18 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
     out = at::zeros(embeddings.sizes(), call.floats);
   } else if (mining == Mining::kBatchHard) {
     out = at::empty(embeddings.sizes(), call.floats);
-    C10_CUDA_CHECK(launch_hard_gradient(all, plan, state.data_ptr<double>(), up, hinge_at_zero,
-                                        out.data_ptr<float>(), call.stream));
+    // the anchors' choices (positives, then negatives) by the row chosen, anchor order kept;
+    // int32 keys (batch < 2^31): half the radix passes of the state's doubles
+    const auto [rows, places] =
+        plan.gradient_sorted_choices
+            ? at::sort(state.narrow(0, 0, 2).reshape({-1}).to(at::kInt), /*stable=*/true, 0,
+                       false)
+            : std::tuple<at::Tensor, at::Tensor>();
+    C10_CUDA_CHECK(launch_hard_gradient(
+        all, plan, state.data_ptr<double>(), up, hinge_at_zero,
+        rows.defined() ? rows.data_ptr<int32_t>() : nullptr,
+        places.defined() ? places.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
+        call.stream));
   } else if (saved == Saved::kWeights) {
     out = at::empty(embeddings.sizes(), call.floats);
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,

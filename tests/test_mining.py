@@ -350,6 +350,7 @@ def test_batch_hard_ties_and_duplicates():
 @pytest.mark.parametrize("mining,batch,dtype", [
     ("batch_hard", 1000, torch.float32), ("batch_all", 1000, torch.float32),
     ("batch_hard", 9000, torch.bfloat16),  # chunks of bfloat16 Gram products, 2-byte rows as given
+    ("batch_hard", 16400, torch.float16),  # the gradient from the choices sorted by row
     ("batch_all", 4500, torch.float32)])  # chunks, the double products
 def test_kernels_are_deterministic(mining, batch, dtype):
     x, labels = labelled_batch(batch, 64, batch // 20, dtype=dtype, device="cuda", seed=9)
@@ -400,15 +401,20 @@ def few_anchors_against_float64(x, labels, mining, margin, few, weights):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mining,batch", [("batch_hard", 9000), ("batch_all", 4500),
-                                           ("batch_all", 3000)])
-def test_large_batches_in_chunks(mining, batch):
+@pytest.mark.parametrize("mining,batch,hub", [
+    ("batch_hard", 9000, False), ("batch_hard", 9000, True),  # the gradient by scans
+    ("batch_hard", 16400, False), ("batch_hard", 16400, True),  # ... from the sorted choices
+    ("batch_all", 4500, False), ("batch_all", 3000, False)])
+def test_large_batches_in_chunks(mining, batch, hub):
     # Past the whole batch's sizes: batch_hard's Gram mining in chunks, batch_all's distances and
     # gradient a chunk of anchors at a time; batch_all at 3000: the whole batch's distances from
     # the Gram products. The reference on a few anchors: their losses, and the gradient of a
     # weighted sum of them (the other anchors' weights 0), at a margin where no triplet of theirs
-    # sits on the hinge's kink.
+    # sits on the hinge's kink. hub: row 0 at the origin, every other class's hardest negative
+    # (thousands of anchors' terms in one row of the gradient).
     x, labels = labelled_batch(batch, 16, batch // 9, dtype=torch.float32, device="cuda", seed=13)
+    if hub:
+        x[0] = 0.0
     few = [0, 1, 7, batch // 2, batch - 1]
     margin = margin_clear_of_kinks(x.double(), labels, few, mining)
     weights = torch.zeros(batch, device="cuda")
