@@ -498,10 +498,7 @@ def bench_mining(mining, batch, dim, dtype_name, rounds, warmup, margin=1.0):
                        gpu_ms=statistics.median(gpu[row["contender"]]))
         if row["contender"] in beside_libraries:
             row["step_ms_beside_libraries"] = beside_libraries[row["contender"]]
-    ours = rows[0]
-    for row in rows:
-        if "step_ms" in row and "step_ms" in ours:
-            row["fused_speedup"] = row["step_ms"] / ours["step_ms"]
+    mining_speedups(rows)
     for name, why in skipped.items():
         rows.append({"shape": [batch, dim], "dtype": rows[0]["dtype"], "mode": f"mined {mining}",
                      "contender": name, "failed": why})
@@ -516,6 +513,17 @@ def bench_mining(mining, batch, dim, dtype_name, rounds, warmup, margin=1.0):
             torch.cuda.empty_cache()
         del x
     return rows
+
+
+def mining_speedups(rows):
+    """Each contender's step over ours: a library's over ours in the same interleaved run (the
+    lower ratio), the plain step's over ours timed beside it."""
+    ours = rows[0]
+    for row in rows:
+        if "step_ms" in row and "step_ms" in ours:
+            library = "step_ms_beside_libraries" not in row
+            row["fused_speedup"] = row["step_ms"] / ours.get(
+                "step_ms_beside_libraries" if library else "step_ms", ours["step_ms"])
 
 
 def print_mining_table(rows):
