@@ -67,8 +67,7 @@ constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
 // the rounded rows and under kRowScratchBytes a row (labels' order, bounds, classes, picks,
 // state). Not below 2^24: there the chunks' launches cost 1.2-1.7x the time. Where the call
 // copies the embeddings (unit rows), the backward holds as many float gradients as copies;
-// where those alone pass the bound, full chunks: smaller ones would cost time ((65536, 512) bf16
-// 1.38x) and not meet it.
+// where those alone pass the bound, full chunks: smaller ones would cost time and not meet it.
 constexpr int64_t kMemoryAllowance = int64_t(64) << 20;
 constexpr int64_t kRowScratchBytes = 160;
 constexpr int64_t kHardChunkMinProducts = int64_t(1) << 24;
@@ -95,10 +94,8 @@ constexpr int kColumnUnroll = 4;      // ... its row loop loading each thread's 
 // batch_hard's gradient: each block scans every anchor's choices for its rows, a warp per row
 // where that fills the GPU; from 8192 rows 8 rows a warp, so one scan of the anchors serves 64
 // rows (the scans' reads grow as batch^2 / rows per block). From 16384 rows the choices sorted
-// by the row chosen first (at::sort of int32 keys: about 10 launches, issued while the forward's
-// kernels run) and each row reads its own run: GPU time (16384, 512) 0.972x, bf16 0.958x,
-// (32768, 128) 0.973x, (65536, 512) 0.977x; at 8192 rows the sort's host time showed
-// ((8192, 128) 1.30x the synced step).
+// by the row chosen first and each row reads its own run; the sort's launches (at::sort of
+// int32 keys, about 10) hide behind the forward's kernels there, not at 8192 rows.
 constexpr int64_t kGradientSharedScanRows = 8192;
 constexpr int kGradientRowsPerWarp = 8;
 constexpr int64_t kGradientSortedRows = 16384;
@@ -914,8 +911,8 @@ __device__ __forceinline__ void write_gradient_row(const MiningChunk& chunk, int
 // tile row as positive or negative and lists them (anchor order; a full list is worked off
 // before the scan goes on, the rows' sums so far read back); each warp then writes its rows. One
 // writer per row: no atomics. One body past 100 lines: the scan and the writes take turns on one
-// shared list within the block. Bounds for 2 blocks an SM (64 registers: 4 fit): (4096, 512)
-// 0.946x the step's GPU time of 1.
+// shared list within the block. Bounds for 2 blocks an SM (64 registers, so 4 fit: more warps
+// to cover its loads).
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads, 2)
     hard_gradient_kernel(MiningChunk chunk, const double* state, Upstream up, bool hinge_at_zero,
