@@ -81,7 +81,8 @@ constexpr float kGramKeepRatio = 4.f;
 // time: 64 MiB at 16384 rows, and as fast as 2049 (about 55 TFLOP/s).
 constexpr int64_t kGradientPartRows = 512;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
-constexpr int kRowUnroll = 8;     // batch_hard's bounds pass: columns each thread loads at once
+constexpr int kRowUnroll = 16;    // batch_hard's bounds pass: columns each thread loads at once,
+constexpr int kRowUnrollScalar = 8;  // ... or one by one (unaligned rows: 16 took 83 registers)
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
 constexpr int kDistanceUnroll = 8;  // exact distances: elements of each row a lane loads at once
 constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4 x 4 per thread
@@ -252,15 +253,32 @@ __device__ __forceinline__ float rule_distance(const LossRule& rule, float squar
   return rule.half_square ? square / 2 : sqrtf(square);
 }
 
+// batch_hard's bounds by sorted position: a column c's t = centre_c - 2 gram (d(s, c)^2's term
+// from c and the product) is within spread_c of the exact one, so d(s, c)^2 lies within
+// [lower_s + t - spread_c, upper_s + t + spread_c], (lower_s, upper_s) the anchor's terms;
+// thread_spreads: each hardest_kernel thread's widest spread among its negative pass's columns
+// (inf where one is not finite), so that pass reads no spreads. launch_gram_rows writes them.
+struct GramBounds {
+  float* centres;
+  float* spreads;
+  float2* anchors;
+  float* thread_spreads;
+};
+
+GramBounds gram_bounds(float* floats, int64_t batch) {  // floats: gram_bounds_floats(batch)
+  return {floats, floats + batch, reinterpret_cast<float2*>(floats + 2 * batch),
+          floats + 4 * batch};
+}
+
 // batch_hard's Gram inputs, a warp per sorted position s: the embedding order[s] less the batch
 // mean, x, rounded to bfloat16 (x~ = x + r), and its bounds' terms, by the spreads of the table:
 // w n^2 + |r|^2 / w + 2 gram_bound n^2 (n = max(|x|, |x~|); (n + eps sqrt(D))^2 in the last term
-// for an anchor) around |x|^2 - 2 eps sum(x) as a candidate, |x|^2 + 2 eps sum(x) + D eps^2 as an
-// anchor. bounds: [2, batch] (lower, upper), candidates then anchors.
+// for an anchor) around |x|^2 - 2 eps sum(x) as a candidate (centre and spread), |x|^2 + 2 eps
+// sum(x) + D eps^2 as an anchor (lower and upper).
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads)
     gram_rows_kernel(MiningChunk chunk, MiningPlan plan, const int64_t* order, const float* mean,
-                     __nv_bfloat16* rounded, float2* bounds, int64_t* classes) {
+                     __nv_bfloat16* rounded, GramBounds bounds, int64_t* classes) {
   const int lane = threadIdx.x % 32;
   const int64_t s = warp_row();
   if (s >= chunk.batch) return;
@@ -297,34 +315,58 @@ __global__ void __launch_bounds__(kRowThreads)
   const float eps = chunk.eps, n2 = fmaxf(sq, rounded_sq), w = plan.rounding_weight;
   const float rounding = w * n2 + residual_sq / w;
   const float anchor_norm = sqrtf(n2) + eps * sqrtf(float(dim));
-  const float as_candidate = sq - 2.f * eps * sum;
-  const float candidate_spread = rounding + 2.f * plan.gram_bound * n2;
   const float as_anchor = sq + 2.f * eps * sum + float(dim) * eps * eps;
   const float anchor_spread = rounding + 2.f * plan.gram_bound * anchor_norm * anchor_norm;
-  bounds[s] = make_float2(as_candidate - candidate_spread, as_candidate + candidate_spread);
-  bounds[chunk.batch + s] = make_float2(as_anchor - anchor_spread, as_anchor + anchor_spread);
+  // A row whose t could pass float's range (|t| <= 3 n^2 + ...), or not finite, gets no bounds:
+  // every interval with it is NaN or infinite, a candidate decided by its exact distance.
+  const bool bounded = n2 < FLT_MAX / 8;
+  bounds.centres[s] = sq - 2.f * eps * sum;
+  bounds.spreads[s] = bounded ? rounding + 2.f * plan.gram_bound * n2 : INFINITY;
+  bounds.anchors[s] = bounded ? make_float2(as_anchor - anchor_spread, as_anchor + anchor_spread)
+                              : make_float2(NAN, NAN);
 }
 
-// One thread's pass over the bounds of a row of hardest_kernel, in t = candidate term - 2 gram:
-// the negatives in 16-byte groups where rows are aligned (thread t takes groups from kVector t,
-// every kVector x 256 columns), the class's columns strided over the block.
+// A warp per hardest_kernel thread: the widest spread among its negative pass's columns
+// (scan_row_bounds's groups of `vector` from vector x thread, every vector x kRowThreads), inf past
+// float's.
+__global__ void __launch_bounds__(kRowThreads)
+    thread_spreads_kernel(GramBounds bounds, int64_t batch, int vector) {
+  const int64_t thread = warp_row();
+  const int lane = threadIdx.x % 32;
+  if (thread >= kRowThreads) return;
+  float widest = 0.f;
+  for (int64_t first = (thread + int64_t(lane) * kRowThreads) * vector; first < batch;
+       first += int64_t(32) * kRowThreads * vector) {
+    for (int64_t c = first; c < std::min(first + vector, batch); ++c) {
+      const float spread = bounds.spreads[c];
+      widest = spread <= widest ? widest : spread < INFINITY ? spread : INFINITY;  // NaN: inf
+    }
+  }
+  widest = warp_all_reduce(widest, [](float a, float b) { return fmaxf(a, b); });
+  if (lane == 0) bounds.thread_spreads[thread] = widest;
+}
+
+// One thread's pass over a row of hardest_kernel, in t = centre - 2 gram: the negatives in
+// 16-byte groups where rows are aligned (thread t takes groups from kVector t, every kVector x 256
+// columns), the class's columns strided over the block.
 struct RowScan {
-  // Negatives: the smallest upper t, and the smallest lower t, its column and the runner-up.
-  float ceiling = INFINITY, bottom = INFINITY, next_bottom = INFINITY;
-  int64_t bottom_column = -1;
-  float negative_spans = 0.f;  // sum of upper - lower: not finite where a bound is not
+  // Negatives: the smallest t, its column and the runner-up (t alone: the spreads wait for the
+  // few columns that can matter).
+  float bottom = INFINITY, next_bottom = INFINITY;
+  int bottom_column = -1;
   // Positives: the largest lower t, and the largest upper t, its column and the runner-up.
   float floor = -INFINITY, top = -INFINITY, next_top = -INFINITY;
-  int64_t top_column = -1;
-  float positive_spans = 0.f;
+  int top_column = -1;
+  float positive_spans = 0.f;  // sum of upper - lower: not finite where a bound is not
 };
 
 template <int kVector>
 __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
                                                    const __nv_bfloat16* gram_row,
-                                                   const float2* bounds, int64_t me,
+                                                   const GramBounds& bounds, int64_t me,
                                                    int64_t class_first, int64_t class_last) {
-  constexpr int kGroups = kRowUnroll / kVector;  // groups of columns loaded at once
+  constexpr int kColumns = kVector == 4 ? kRowUnroll : kRowUnrollScalar;
+  constexpr int kGroups = kColumns / kVector;  // groups of columns loaded at once
   const int64_t batch = chunk.batch;
   const auto in_class = [&](int64_t c) {
     return uint64_t(c - class_first) < uint64_t(class_last - class_first);
@@ -335,8 +377,7 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
   RowScan scan;
   for (int64_t base = int64_t(threadIdx.x) * kVector; base < batch;
        base += kGroups * kVector * kRowThreads) {
-    float products[kRowUnroll];
-    float2 terms[kRowUnroll];
+    float products[kColumns], centres[kColumns];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       const int64_t c = column_of(base, g * kVector);
@@ -345,17 +386,15 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
                                   : make_uint2(0u, 0u);
         const float2 p01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p.x));
         const float2 p23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p.y));
-        const float4 t0 = c < batch ? *reinterpret_cast<const float4*>(bounds + c)
-                                    : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 t1 = c < batch ? *reinterpret_cast<const float4*>(bounds + c + 2)
-                                    : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 t = c < batch ? *reinterpret_cast<const float4*>(bounds.centres + c)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
         products[g * 4] = p01.x, products[g * 4 + 1] = p01.y;
         products[g * 4 + 2] = p23.x, products[g * 4 + 3] = p23.y;
-        terms[g * 4] = make_float2(t0.x, t0.y), terms[g * 4 + 1] = make_float2(t0.z, t0.w);
-        terms[g * 4 + 2] = make_float2(t1.x, t1.y), terms[g * 4 + 3] = make_float2(t1.z, t1.w);
+        centres[g * 4] = t.x, centres[g * 4 + 1] = t.y, centres[g * 4 + 2] = t.z;
+        centres[g * 4 + 3] = t.w;
       } else {
         products[g] = c < batch ? __bfloat162float(gram_row[c]) : 0.f;
-        terms[g] = c < batch ? bounds[c] : make_float2(0.f, 0.f);
+        centres[g] = c < batch ? bounds.centres[c] : 0.f;
       }
     }
 #pragma unroll
@@ -363,14 +402,10 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
       const int64_t first = column_of(base, g * kVector);
       if (first >= batch) continue;
       const auto negative = [&](int j) {
-        const int u = g * kVector + j;
-        const float lower = fmaf(-2.f, products[u], terms[u].x);
-        const float upper = fmaf(-2.f, products[u], terms[u].y);
-        scan.negative_spans += upper - lower;
-        scan.ceiling = fminf(scan.ceiling, upper);
-        scan.bottom_column = lower < scan.bottom ? first + j : scan.bottom_column;
-        scan.next_bottom = fminf(scan.next_bottom, fmaxf(scan.bottom, lower));
-        scan.bottom = fminf(scan.bottom, lower);
+        const float t = fmaf(-2.f, products[g * kVector + j], centres[g * kVector + j]);
+        scan.bottom_column = t < scan.bottom ? int(first) + j : scan.bottom_column;
+        scan.next_bottom = fminf(scan.next_bottom, fmaxf(scan.bottom, t));
+        scan.bottom = fminf(scan.bottom, t);
       };
       // Only a group that meets the anchor's class tests each column: the others (nearly all)
       // run without the per-column compares and branches.
@@ -387,12 +422,12 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
   }
   for (int64_t c = class_first + threadIdx.x; c < class_last; c += kRowThreads) {
     if (c == me) continue;
-    const float product = __bfloat162float(gram_row[c]);
-    const float2 terms = bounds[c];
-    const float lower = fmaf(-2.f, product, terms.x), upper = fmaf(-2.f, product, terms.y);
+    const float t = fmaf(-2.f, __bfloat162float(gram_row[c]), bounds.centres[c]);
+    const float spread = bounds.spreads[c];
+    const float lower = t - spread, upper = t + spread;
     scan.positive_spans += upper - lower;
     scan.floor = fmaxf(scan.floor, lower);
-    scan.top_column = upper > scan.top ? c : scan.top_column;
+    scan.top_column = upper > scan.top ? int(c) : scan.top_column;
     scan.next_top = fmaxf(scan.next_top, fminf(scan.top, upper));
     scan.top = fmaxf(scan.top, upper);
   }
@@ -401,37 +436,42 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
 
 // A block per anchor row, the batch sorted by label: the anchor's positives are the columns of its
 // class's range (gram_rows_kernel's classes), the negatives every other column. Each pass works
-// on t = candidate term - 2 gram (d^2's interval is the anchor's term + t, rounding monotone in t,
-// so extremes of t are extremes of d^2). First the bounds (scan_row_bounds): a lower bound of the
-// row's largest positive squared distance, an upper bound of its smallest negative one, and
-// each thread's most promising positive and negative column with the runner-up's bound. A
-// column whose interval can beat the row's bound is a candidate and gets its exact distance from
-// the whole warp: the true extreme always is one, so it is always decided exactly. Threads whose
-// runner-up is a candidate too (or that saw a bound that is not finite) walk those columns again.
-// The warps then combine picks. One body past 100 lines: its passes share the row's bounds and
-// each thread's picks in registers, which a split would send through memory.
+// on t = centre - 2 gram (d^2's interval is the anchor's term + t +- the column's spread, rounding
+// monotone in t). First the bounds (scan_row_bounds): a lower bound of the row's largest positive
+// squared distance; an upper bound of its smallest negative one, the least upper end of the
+// threads' best negatives; each thread's most promising positive and negative column, and its
+// runner-up's bound (for negatives with the thread's widest spread). A column whose interval can
+// beat the row's bound is a candidate and gets its exact distance from the whole warp: the true
+// extreme always is one, so it is always decided exactly. Threads whose runner-up can be a
+// candidate too (or that saw a bound that is not finite) walk those columns again. The warps
+// then combine picks. One body past 100 lines: its passes share the row's bounds and each
+// thread's picks in registers, which a split would send through memory.
 template <int kVector, typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    hardest_kernel(MiningChunk chunk, const __nv_bfloat16* gram, const float2* bounds,
+    hardest_kernel(MiningChunk chunk, const __nv_bfloat16* gram, GramBounds bounds,
                    const int64_t* classes, const int64_t* order, int64_t* positive,
                    int64_t* negative, bool* valid) {
   constexpr int kWarps = kRowThreads / 32;
   __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
   __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
+  __shared__ int listed_counts[2][kWarps], listed[2 * kRowThreads];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
   const int64_t class_first = classes[2 * me], class_last = classes[2 * me + 1];
   const __nv_bfloat16* gram_row = gram + row * batch;
-  const float2 mine = bounds[batch + me];  // bounds: candidate terms, then anchor terms
+  const float2 mine = bounds.anchors[me];
   const auto in_class = [&](int64_t c) {
     return uint64_t(c - class_first) < uint64_t(class_last - class_first);
   };
   const RowScan scan =
       scan_row_bounds<kVector>(chunk, gram_row, bounds, me, class_first, class_last);
-  float floor = scan.floor, ceiling = scan.ceiling, top = scan.top, next_top = scan.next_top;
-  float bottom = scan.bottom, next_bottom = scan.next_bottom;
+  float floor = scan.floor, top = scan.top, next_top = scan.next_top;
   const int64_t top_column = scan.top_column, bottom_column = scan.bottom_column;
-  const float positive_spans = scan.positive_spans, negative_spans = scan.negative_spans;
+  const float positive_spans = scan.positive_spans;
+  // The best negative's interval in t; an upper end that is not finite bounds nothing.
+  const float bottom_spread = bottom_column >= 0 ? bounds.spreads[bottom_column] : 0.f;
+  float ceiling = scan.bottom + bottom_spread;
+  ceiling = ceiling < INFINITY ? ceiling : INFINITY;
   floor = warp_all_reduce(floor, [](float a, float b) { return fmaxf(a, b); });
   ceiling = warp_all_reduce(ceiling, [](float a, float b) { return fminf(a, b); });
   if (lane == 0) warp_floors[warp] = floor, warp_ceilings[warp] = ceiling;
@@ -445,13 +485,14 @@ __global__ void __launch_bounds__(kRowThreads)
   floor = floor > -INFINITY ? mine.x + floor : -INFINITY;
   ceiling = ceiling < INFINITY ? mine.y + ceiling : INFINITY;
   const auto as_upper = [&](float t) { return t > -INFINITY ? mine.y + t : -INFINITY; };
-  const auto as_lower = [&](float t) { return t < INFINITY ? mine.x + t : INFINITY; };
   top = as_upper(top), next_top = as_upper(next_top);
-  bottom = as_lower(bottom), next_bottom = as_lower(next_bottom);
+  const float bottom = mine.x + (scan.bottom - bottom_spread);
+  // the least lower end any of the thread's other negatives can have
+  // (NaN, so a walk, where the thread's spreads are not finite)
+  const float beyond = mine.x + (scan.next_bottom - bounds.thread_spreads[threadIdx.x]);
   const bool walks_positives = odd_anchor || !(fabsf(positive_spans) < INFINITY) ||
                                (next_top > -INFINITY && next_top >= floor);
-  const bool walks_negatives = odd_anchor || !(fabsf(negative_spans) < INFINITY) ||
-                               (next_bottom < INFINITY && next_bottom <= ceiling);
+  const bool walks_negatives = odd_anchor || !(beyond > ceiling);
   const T* embeddings = rows_of<T>(chunk);
   const T* anchor_row = embeddings + order[me] * chunk.dim;
   Pick best_positive{0.f, -1}, best_negative{0.f, -1};
@@ -474,15 +515,38 @@ __global__ void __launch_bounds__(kRowThreads)
       decide(__shfl_sync(0xffffffffu, c, __ffs(found) - 1), is_positive);
     }
   };
-  // The threads that do not walk: their one positive and one negative candidate at most.
-  decide_lanes(!walks_positives && top_column >= 0 && top >= floor, top_column, true);
-  decide_lanes(!walks_negatives && bottom_column >= 0 && bottom <= ceiling, bottom_column, false);
+  // The threads that do not walk: their one positive and one negative candidate at most, listed
+  // for the block, each warp deciding every kWarps-th (the class's columns, all in the first
+  // warps, would queue their decisions there).
+  const bool lists_positive = !walks_positives && top_column >= 0 && top >= floor;
+  const bool lists_negative =
+      !walks_negatives && bottom_column >= 0 && !(bottom > ceiling);
+  const unsigned listing_positives = __ballot_sync(0xffffffffu, lists_positive);
+  const unsigned listing_negatives = __ballot_sync(0xffffffffu, lists_negative);
+  if (lane == 0) {
+    listed_counts[0][warp] = __popc(listing_positives);
+    listed_counts[1][warp] = __popc(listing_negatives);
+  }
+  __syncthreads();
+  int positive_at = 0, negative_at = 0, positives = 0, negatives = 0;
+  for (int w = 0; w < kWarps; ++w) {
+    positive_at += w < warp ? listed_counts[0][w] : 0;
+    negative_at += w < warp ? listed_counts[1][w] : 0;
+    positives += listed_counts[0][w];
+    negatives += listed_counts[1][w];
+  }
+  const unsigned below = (1u << lane) - 1u;
+  if (lists_positive) listed[positive_at + __popc(listing_positives & below)] = int(top_column);
+  if (lists_negative) {
+    listed[positives + negative_at + __popc(listing_negatives & below)] = int(bottom_column);
+  }
+  __syncthreads();
+  for (int k = warp; k < positives + negatives; k += kWarps) decide(listed[k], k < positives);
   // The walking threads' columns again, a warp in step; a NaN interval is always a candidate.
   const auto interval = [&](int64_t c) {
-    const float product = __bfloat162float(gram_row[c]);
-    const float2 terms = bounds[c];
-    return make_float2(mine.x + fmaf(-2.f, product, terms.x),
-                       mine.y + fmaf(-2.f, product, terms.y));
+    const float t = fmaf(-2.f, __bfloat162float(gram_row[c]), bounds.centres[c]);
+    const float spread = bounds.spreads[c];
+    return make_float2(mine.x + (t - spread), mine.y + (t + spread));
   };
   if (__any_sync(0xffffffffu, walks_positives)) {
     for (int64_t first = class_first + int64_t(warp) * 32; first < class_last;
@@ -1772,12 +1836,18 @@ cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, c
                              const float* mean, void* rounded, float* bounds, int64_t* classes,
                              cudaStream_t stream) {
   return with_rows(chunk.dtype, [&](auto element) {
+    const GramBounds terms = gram_bounds(bounds, chunk.batch);
     gram_rows_kernel<decltype(element)><<<warp_row_blocks(chunk.batch), kRowThreads, 0, stream>>>(
-        chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded),
-        reinterpret_cast<float2*>(bounds), classes);
+        chunk, plan, order, mean, static_cast<__nv_bfloat16*>(rounded), terms, classes);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    thread_spreads_kernel<<<warp_row_blocks(kRowThreads), kRowThreads, 0, stream>>>(
+        terms, chunk.batch, plan.vector);
     return cudaGetLastError();
   });
 }
+
+int64_t gram_bounds_floats(int64_t batch) { return 4 * batch + kRowThreads; }
 
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const void* gram,
                            const float* bounds, const int64_t* classes, const int64_t* order,
@@ -1787,8 +1857,9 @@ cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, con
     using T = decltype(element);
     const auto kernel = plan.vector == 4 ? hardest_kernel<4, T> : hardest_kernel<1, T>;
     kernel<<<chunk.rows, plan.row_block, 0, stream>>>(
-        chunk, static_cast<const __nv_bfloat16*>(gram), reinterpret_cast<const float2*>(bounds),
-        classes, order, positive, negative, valid);
+        chunk, static_cast<const __nv_bfloat16*>(gram),
+        gram_bounds(const_cast<float*>(bounds), chunk.batch), classes, order, positive, negative,
+        valid);
     return cudaGetLastError();
   });
 }

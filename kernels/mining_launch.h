@@ -96,21 +96,22 @@ struct Upstream {
 
 // batch_hard's Gram inputs for the whole batch (chunk.first and rows unused), sorted by label:
 // rounded [batch, dim] bfloat16, the embedding order[s] less mean ([dim] float) at row s, and
-// bounds [2, batch, 2] float, the terms of launch_hardest; classes [batch, 2] int64, each sorted
-// position's class range [first, last) in the sorted labels (chunk.ids).
+// bounds [gram_bounds_floats(batch)] float, the terms of launch_hardest; classes [batch, 2] int64,
+// each sorted position's class range [first, last) in the sorted labels (chunk.ids).
 cudaError_t launch_gram_rows(const MiningChunk& chunk, const MiningPlan& plan, const int64_t* order,
                              const float* mean, void* rounded, float* bounds, int64_t* classes,
                              cudaStream_t stream);
+int64_t gram_bounds_floats(int64_t batch);
 
 // batch_hard: the hardest positive and negative of each anchor of the chunk, the batch sorted by
 // label: ids the sorted labels, order[s] the embedding at sorted position s, and the chunk's rows
 // sorted positions. gram: [rows, batch] bfloat16, the dot products x_s . x_c (float sums) of the
-// sorted, centred embeddings rounded to bfloat16; bounds: [2, batch, 2] float by sorted
-// position, the terms as a candidate (lower, upper), then as an anchor (lower, upper): d(s, c)^2
-// lies within [lower_s + lower_c - 2 gram, upper_s + upper_c - 2 gram]. Candidates whose
-// interval reaches the extreme's are decided by the exact distance of the embeddings. positive /
-// negative: int64 indices of the embeddings, by embedding (each the anchor itself where it has
-// none); valid: 1 where the anchor has both.
+// sorted, centred embeddings rounded to bfloat16; bounds: launch_gram_rows's, by sorted position,
+// each row's terms as a candidate (centre, spread) and as an anchor (lower, upper): d(s, c)^2
+// lies within [lower_s + centre_c - 2 gram - spread_c, upper_s + centre_c - 2 gram + spread_c].
+// Candidates whose interval reaches the extreme's are decided by the exact distance of the
+// embeddings. positive / negative: int64 indices of the embeddings, by embedding (each the anchor
+// itself where it has none); valid: 1 where the anchor has both.
 cudaError_t launch_hardest(const MiningChunk& chunk, const MiningPlan& plan, const void* gram,
                            const float* bounds, const int64_t* classes, const int64_t* order,
                            int64_t* positive, int64_t* negative, bool* valid,

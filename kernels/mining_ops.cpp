@@ -317,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
     std::tie(sorted_labels, order) = call.labels.sort(/*stable=*/true, 0, false);
   }
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
-  at::Tensor bounds = at::empty({2, batch, 2}, call.floats);
+  at::Tensor bounds = at::empty({gram_bounds_floats(batch)}, call.floats);
   at::Tensor classes = at::empty({batch, 2}, call.labels.options());
   const at::Tensor mean = column_means(embeddings, plan, call.stream);
   C10_CUDA_CHECK(launch_gram_rows(call.whole(sorted_labels, 0.0, eps), plan,

@@ -217,7 +217,8 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
                        "hard_loss_kernel", "hardest_kernel", "label_order_kernel",
                        "label_ranks_kernel", "mined_total_kernel",
                        "sparse_columns_gradient_kernel", "sparse_rows_gradient_kernel",
-                       "unit_rows_backward_kernel", "unit_rows_kernel"], kernels
+                       "thread_spreads_kernel", "unit_rows_backward_kernel",
+                       "unit_rows_kernel"], kernels
 
 
 def test_build_is_marked_constant_as_torch_compile_marks_it():

@@ -303,6 +303,22 @@ def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
 
 
 @requires_cuda
+@pytest.mark.parametrize("batch", [2048, 2046])
+def test_batch_hard_mines_rows_of_mixed_lengths(batch):
+    # Rows 10^4 apart in length: each column's bounds widen with its length, so a thread's best
+    # column and its widest spread (which bounds its other columns) belong to different rows.
+    g = torch.Generator().manual_seed(batch + 1)
+    scale = 10 ** (torch.rand(batch, 1, generator=g, dtype=torch.float64) * 4 - 2)
+    x = (scale * torch.randn(batch, 64, generator=g, dtype=torch.float64)).float().double()
+    labels = torch.randint(0, 16, (batch,), generator=g)
+    want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
+    for mine in (sorted_mining(True), sorted_mining(False)):
+        got = mine(x.float().cuda(), labels.cuda(), 1e-6)
+        for ours, theirs in zip(got, want):
+            assert torch.equal(ours.cpu(), theirs)
+
+
+@requires_cuda
 @pytest.mark.parametrize("batch", [3, 1000, 3001])
 def test_batch_hard_orders_labels_of_any_value(batch):
     # The Gram mining's label order, by counting and by at::sort: int64's extremes, negative and
