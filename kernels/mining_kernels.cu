@@ -326,17 +326,24 @@ __global__ void __launch_bounds__(kRowThreads)
                               : make_float2(NAN, NAN);
 }
 
-// A warp per hardest_kernel thread: the widest spread among its negative pass's columns
-// (scan_row_bounds's groups of `vector` from vector x thread, every vector x kRowThreads), inf past
-// float's.
+// hardest_kernel's negative pass gives each thread groups of `vector` columns: the first from
+// vector x thread, the next every vector x kRowThreads (its walk and thread_spreads_kernel read
+// the same ones).
+__device__ __forceinline__ int64_t first_negative_group(int64_t thread, int vector) {
+  return thread * vector;
+}
+constexpr int64_t negative_group_stride(int vector) { return int64_t(vector) * kRowThreads; }
+
+// A warp per hardest_kernel thread: the widest spread among its negative pass's columns, inf
+// past float's.
 __global__ void __launch_bounds__(kRowThreads)
     thread_spreads_kernel(GramBounds bounds, int64_t batch, int vector) {
   const int64_t thread = warp_row();
   const int lane = threadIdx.x % 32;
   if (thread >= kRowThreads) return;
   float widest = 0.f;
-  for (int64_t first = (thread + int64_t(lane) * kRowThreads) * vector; first < batch;
-       first += int64_t(32) * kRowThreads * vector) {
+  for (int64_t first = first_negative_group(thread, vector) + lane * negative_group_stride(vector);
+       first < batch; first += 32 * negative_group_stride(vector)) {
     for (int64_t c = first; c < std::min(first + vector, batch); ++c) {
       const float spread = bounds.spreads[c];
       widest = spread <= widest ? widest : spread < INFINITY ? spread : INFINITY;  // NaN: inf
@@ -347,8 +354,8 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // One thread's pass over a row of hardest_kernel, in t = centre - 2 gram: the negatives in
-// 16-byte groups where rows are aligned (thread t takes groups from kVector t, every kVector x 256
-// columns), the class's columns strided over the block.
+// 16-byte groups where rows are aligned (first_negative_group's), the class's columns strided
+// over the block.
 struct RowScan {
   // Negatives: the smallest t, its column and the runner-up (t alone: the spreads wait for the
   // few columns that can matter).
@@ -371,16 +378,14 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
   const auto in_class = [&](int64_t c) {
     return uint64_t(c - class_first) < uint64_t(class_last - class_first);
   };
-  const auto column_of = [&](int64_t base, int u) {  // the u-th column loaded from base
-    return base + (u / kVector) * (kVector * kRowThreads) + u % kVector;
-  };
   RowScan scan;
-  for (int64_t base = int64_t(threadIdx.x) * kVector; base < batch;
-       base += kGroups * kVector * kRowThreads) {
+  constexpr int64_t kStride = negative_group_stride(kVector);
+  for (int64_t base = first_negative_group(threadIdx.x, kVector); base < batch;
+       base += kGroups * kStride) {
     float products[kColumns], centres[kColumns];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      const int64_t c = column_of(base, g * kVector);
+      const int64_t c = base + g * kStride;
       if constexpr (kVector == 4) {  // batch % 4 == 0: the group is whole and 16-byte aligned
         const uint2 p = c < batch ? *reinterpret_cast<const uint2*>(gram_row + c)  // 4 products
                                   : make_uint2(0u, 0u);
@@ -399,7 +404,7 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
     }
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      const int64_t first = column_of(base, g * kVector);
+      const int64_t first = base + g * kStride;
       if (first >= batch) continue;
       const auto negative = [&](int j) {
         const float t = fmaf(-2.f, products[g * kVector + j], centres[g * kVector + j]);
@@ -521,27 +526,12 @@ __global__ void __launch_bounds__(kRowThreads)
   const bool lists_positive = !walks_positives && top_column >= 0 && top >= floor;
   const bool lists_negative =
       !walks_negatives && bottom_column >= 0 && !(bottom > ceiling);
-  const unsigned listing_positives = __ballot_sync(0xffffffffu, lists_positive);
-  const unsigned listing_negatives = __ballot_sync(0xffffffffu, lists_negative);
-  if (lane == 0) {
-    listed_counts[0][warp] = __popc(listing_positives);
-    listed_counts[1][warp] = __popc(listing_negatives);
-  }
+  const BlockPlaces<2> places =
+      block_places<kRowThreads>({lists_positive, lists_negative}, listed_counts);
+  if (lists_positive) listed[places.at[0]] = int(top_column);
+  if (lists_negative) listed[places.at[1]] = int(bottom_column);
   __syncthreads();
-  int positive_at = 0, negative_at = 0, positives = 0, negatives = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    positive_at += w < warp ? listed_counts[0][w] : 0;
-    negative_at += w < warp ? listed_counts[1][w] : 0;
-    positives += listed_counts[0][w];
-    negatives += listed_counts[1][w];
-  }
-  const unsigned below = (1u << lane) - 1u;
-  if (lists_positive) listed[positive_at + __popc(listing_positives & below)] = int(top_column);
-  if (lists_negative) {
-    listed[positives + negative_at + __popc(listing_negatives & below)] = int(bottom_column);
-  }
-  __syncthreads();
-  for (int k = warp; k < positives + negatives; k += kWarps) decide(listed[k], k < positives);
+  for (int k = warp; k < places.starts[2]; k += kWarps) decide(listed[k], k < places.starts[1]);
   // The walking threads' columns again, a warp in step; a NaN interval is always a candidate.
   const auto interval = [&](int64_t c) {
     const float t = fmaf(-2.f, __bfloat162float(gram_row[c]), bounds.centres[c]);
@@ -561,10 +551,11 @@ __global__ void __launch_bounds__(kRowThreads)
     }
   }
   if (__any_sync(0xffffffffu, walks_negatives)) {
-    for (int64_t first = int64_t(warp) * 32 * kVector; first < batch;
-         first += kVector * kRowThreads) {
+    // lanes in step: first is the warp's first lane's group, and lane l's is l groups on
+    for (int64_t first = first_negative_group(warp * 32, kVector); first < batch;
+         first += negative_group_stride(kVector)) {
       for (int j = 0; j < kVector; ++j) {
-        const int64_t c = first + lane * kVector + j;
+        const int64_t c = first + first_negative_group(lane, kVector) + j;
         bool is_candidate = false;
         if (walks_negatives && c < batch && !in_class(c)) {
           const float2 d2 = interval(c);
@@ -1012,29 +1003,14 @@ __global__ void __launch_bounds__(kRowThreads, 2)
         as_positive = s.positive != i && in_tile(chose_positive);
         as_negative = s.negative != i && in_tile(chose_negative);
       }
-      const unsigned positives = __ballot_sync(0xffffffffu, as_positive);
-      const unsigned negatives = __ballot_sync(0xffffffffu, as_negative);
-      if (lane == 0) warp_counts[0][warp] = __popc(positives), warp_counts[1][warp] = __popc(negatives);
-      __syncthreads();
-      int positive_at = filled, negative_at = filled, total_positives = 0, total_negatives = 0;
-      for (int w = 0; w < kWarps; ++w) {
-        positive_at += w < warp ? warp_counts[0][w] : 0;
-        negative_at += w < warp ? warp_counts[1][w] : 0;
-        total_positives += warp_counts[0][w];
-        total_negatives += warp_counts[1][w];
-      }
+      const BlockPlaces<2> places =
+          block_places<kRowThreads>({as_positive, as_negative}, warp_counts);
       __syncthreads();  // warp_counts is read before the next group writes it
       // A group adds at most 2 x 256 hits, so an empty list always takes it.
-      if (filled + total_positives + total_negatives > kHitSlots) break;
-      const unsigned below = (1u << lane) - 1u;
-      if (as_positive) {
-        hits[positive_at + __popc(positives & below)] = {i, int(s.positive - tile_first), -s.c_ap};
-      }
-      if (as_negative) {
-        hits[negative_at + total_positives + __popc(negatives & below)] =
-            {i, int(s.negative - tile_first), -s.c_an};
-      }
-      filled += total_positives + total_negatives;
+      if (filled + places.starts[2] > kHitSlots) break;
+      if (as_positive) hits[filled + places.at[0]] = {i, int(s.positive - tile_first), -s.c_ap};
+      if (as_negative) hits[filled + places.at[1]] = {i, int(s.negative - tile_first), -s.c_an};
+      filled += places.starts[2];
     }
     __syncthreads();  // the list is written
     for (int r = 0; r < rows_per_warp; ++r) {
@@ -1236,7 +1212,7 @@ __global__ void __launch_bounds__(kRowThreads)
                      int64_t* counted, float* weights, double* weight_sums) {
   __shared__ float positive_d[kPositiveSlots];  // d(i, j) of the staged positives
   __shared__ int64_t staged[kPositiveSlots];    // their columns
-  __shared__ int warp_counts[kRowThreads / 32];
+  __shared__ int warp_counts[1][kRowThreads / 32];
   __shared__ double sum_scratch[kRowThreads / 32];
   __shared__ double weight_sum_scratch[kRowThreads / 32];
   __shared__ int64_t count_scratch[kRowThreads / 32];
@@ -1268,20 +1244,12 @@ __global__ void __launch_bounds__(kRowThreads)
     for (; next < batch && filled + kRowThreads <= kPositiveSlots; next += kRowThreads) {
       const int64_t c = next + threadIdx.x;
       const bool is_positive = c < batch && c != anchor && chunk.ids[c] == my_id;
-      const unsigned ballot = __ballot_sync(0xffffffffu, is_positive);
-      if (lane == 0) warp_counts[warp] = __popc(ballot);
-      __syncthreads();
-      int offset = filled, total = 0;
-      for (int v = 0; v < kRowThreads / 32; ++v) {
-        offset += v < warp ? warp_counts[v] : 0;
-        total += warp_counts[v];
-      }
+      const BlockPlaces<1> places = block_places<kRowThreads>({is_positive}, warp_counts);
       if (is_positive) {
-        const int slot = offset + __popc(ballot & ((1u << lane) - 1u));
-        positive_d[slot] = d[c];
-        staged[slot] = c;
+        positive_d[filled + places.at[0]] = d[c];
+        staged[filled + places.at[0]] = c;
       }
-      filled += total;
+      filled += places.starts[1];
       __syncthreads();  // warp_counts is read before the next group writes it
     }
     if (filled == 0) continue;

@@ -281,6 +281,44 @@ __device__ __forceinline__ S block_sum(S v, S* smem) {
   return v;
 }
 
+// library-only {
+// Places in a list the block fills in thread order, kind after kind (every kind-0 entry, then
+// the kind-1 ones, ...), each thread adding at most one entry of each kind, the same in every
+// run. counts: shared, [kKinds][kThreads / 32]; one barrier inside, and the caller's own must
+// come before counts is written again.
+template <int kKinds>
+struct BlockPlaces {
+  int at[kKinds];          // where this thread's entry of each kind goes (where it adds one)
+  int starts[kKinds + 1];  // where each kind's entries start; starts[kKinds]: the list's length
+};
+
+template <int kThreads, int kKinds>
+__device__ __forceinline__ BlockPlaces<kKinds> block_places(const bool (&adds)[kKinds],
+                                                            int (*counts)[kThreads / 32]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  unsigned ballots[kKinds];
+#pragma unroll
+  for (int k = 0; k < kKinds; ++k) {
+    ballots[k] = __ballot_sync(0xffffffffu, adds[k]);
+    if (lane == 0) counts[k][warp] = __popc(ballots[k]);
+  }
+  __syncthreads();
+  BlockPlaces<kKinds> places;
+  places.starts[0] = 0;
+#pragma unroll
+  for (int k = 0; k < kKinds; ++k) {
+    int before = 0, all = 0;
+    for (int w = 0; w < kThreads / 32; ++w) {
+      before += w < warp ? counts[k][w] : 0;
+      all += counts[k][w];
+    }
+    places.at[k] = places.starts[k] + before + __popc(ballots[k] & ((1u << lane) - 1u));
+    places.starts[k + 1] = places.starts[k] + all;
+  }
+  return places;
+}
+// library-only }
+
 // ---- bulk async copies (sm_90 copy engine) and mbarriers ------------------------------------------
 // Only the ring kernel uses them, and the host launches it only on sm_90+; on older targets they
 // compile to nothing (the kernel traps).
