@@ -1220,7 +1220,6 @@ __global__ void __launch_bounds__(kRowThreads)
   extern __shared__ float row_copy[];  // [batch] where weights == dists
   const LossRule& rule = chunk.rule;
   const float margin = chunk.margin;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, anchor = chunk.first + row, batch = chunk.batch;
   const float* d = dists + row * batch;
   const int64_t my_id = chunk.ids[anchor];
