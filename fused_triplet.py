@@ -760,15 +760,34 @@ class MinedTripletMarginLoss(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 _PAIR_CHUNK_ELEMENTS = 1 << 22  # (pairs x batch) per chunk of the pair losses: 16 MiB of float
+# batch^2 x dim from which the hard losses' torch path differentiates only the chosen distances:
+# below it the index ops cost more than the batch x batch products they save (2 CPU cores)
+_ST_CHOSEN_ENTRIES_FROM = 1 << 21
 
 
-def _st_euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
-    """sentence-transformers' euclidean distances: from the Gram matrix (2-byte embeddings in
-    float32, autocast off), negative squares set to 0; a distance of exactly 0 has gradient 0."""
-    with torch.autocast(device_type=embeddings.device.type, enabled=False):
-        narrow = embeddings.dtype in (torch.float16, torch.bfloat16)
-        x = embeddings.float() if narrow else embeddings
-        gram = x @ x.t()
+def _st_rows(embeddings: Tensor, cosine: bool) -> Tensor:
+    """The rows whose Gram products give sentence-transformers' distances: the embeddings, unit
+    rows for cosine; 2-byte embeddings in float32 (its cos_sim and euclidean distance both)."""
+    narrow = embeddings.dtype in (torch.float16, torch.bfloat16)
+    rows = embeddings.float() if narrow else embeddings
+    return torch.nn.functional.normalize(rows, dim=1) if cosine else rows
+
+
+def _st_gram(rows: Tensor, cosine: bool) -> Tensor:
+    """rows @ rows.T as the library takes it: euclidean's with autocast off."""
+    if cosine:
+        return rows @ rows.t()
+    with torch.autocast(device_type=rows.device.type, enabled=False):
+        return rows @ rows.t()
+
+
+def _st_distances(gram: Tensor, cosine: bool, squared: bool = False) -> Tensor:
+    """sentence-transformers' distances from the Gram matrix of _st_rows: 1 - cos clamped at 0,
+    0 on the diagonal; or |b|^2 - 2 a.b + |a|^2 with negatives set to 0, and its root, whose
+    gradient is 0 at exactly 0."""
+    if cosine:
+        is_self = torch.eye(len(gram), dtype=torch.bool, device=gram.device)
+        return (1 - gram).clamp_min(0.0).masked_fill(is_self, 0.0)
     norms = gram.diagonal()
     squares = norms.unsqueeze(0) - 2.0 * gram + norms.unsqueeze(1)
     squares = torch.where(squares < 0, 0.0, squares)
@@ -778,11 +797,14 @@ def _st_euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
     return torch.where(zero, 0.0, (squares + zero * 1e-16).sqrt())
 
 
+def _st_euclidean_distance(embeddings: Tensor, squared: bool = False) -> Tensor:
+    """sentence-transformers' euclidean distances: from the Gram matrix (autocast off)."""
+    return _st_distances(_st_gram(_st_rows(embeddings, False), False), False, squared)
+
+
 def _st_cosine_distance(embeddings: Tensor) -> Tensor:
     """sentence-transformers' cosine distances: 1 - cos, clamped at 0, the diagonal 0."""
-    x = torch.nn.functional.normalize(embeddings, dim=1)
-    distances = (1 - x @ x.t()).clamp_min(0.0)
-    return distances.masked_fill(torch.eye(len(x), dtype=torch.bool, device=x.device), 0.0)
+    return _st_distances(_st_gram(_st_rows(embeddings, True), True), True)
 
 
 class BatchHardTripletLossDistanceFunction:
@@ -847,9 +869,11 @@ class _SentenceTransformersTripletLoss(torch.nn.Module):
         if self._FUSED is not None and _mining_takes(x, 2.0):
             cosine = self._distance is _st_cosine_distance
             margin = 0.0 if self.triplet_margin is None else float(self.triplet_margin)
-            loss = _library_loss_on_the_op(x, labels, _COSINE if cosine else _EUCLIDEAN,
+            return _library_loss_on_the_op(x, labels, _COSINE if cosine else _EUCLIDEAN,
                                            margin, *self._FUSED)
-            return loss.to(x.dtype) if cosine else loss  # the dtype the library's loss has
+        return self._torch_loss(x, labels)
+
+    def _torch_loss(self, x: Tensor, labels: Tensor) -> Tensor:
         return self._loss(self._distance(x), labels)
 
 
@@ -870,15 +894,75 @@ def _library_loss_on_the_op(x: Tensor, labels: Tensor, distance: int, margin: fl
                                      distance, hinge, counting, band, band_margin, references)[0]
 
 
-def _st_hardest(d: Tensor, labels: Tensor) -> tuple:
+class _HardestDistances(torch.autograd.Function):
+    """sentence-transformers' hardest positive and negative distance per anchor, as found on the
+    distances computed without a graph. The backward is autograd's of the library's formula for
+    the entries (anchor, chosen) its max and min pass their gradient to, times `scales` (the
+    masks and the distance's derivative there): each one's gradient to its two rows, summed by
+    index_add in index order, not through batch x batch products."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, positive: Tensor, negative: Tensor, chosen: Tensor,
+                scales: Tensor, cosine: bool) -> tuple:
+        ctx.save_for_backward(rows, chosen, scales)
+        ctx.cosine = cosine
+        return positive, negative
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, positive_grad: Tensor, negative_grad: Tensor):
+        rows, chosen, scales = ctx.saved_tensors
+        weights = (scales * torch.stack([positive_grad, negative_grad, negative_grad])).unsqueeze(2)
+        picked = rows.index_select(0, chosen.reshape(-1)).view(*chosen.shape, -1)
+        if ctx.cosine:  # 1 - a.b: a gets -b, b gets -a (the sign is in scales)
+            terms = weights * rows
+            rows_grad = picked.mul_(weights).sum(0)
+        else:  # |a - b|: a gets (a - b) / d, b the opposite (1 / d is in scales)
+            terms = picked.sub_(rows).mul_(weights)
+            rows_grad = terms.sum(0).neg_()
+        rows_grad.index_add_(0, chosen.reshape(-1), terms.reshape(-1, rows.shape[1]))
+        return rows_grad, None, None, None, None, None
+
+
+def _st_extremes(d: Tensor, labels: Tensor) -> tuple:
+    """The library's max and min over the rows of d: (positive, negative, largest) as (values,
+    indices) per row (the largest's of shape (batch, 1)), and the (positives, negatives) masks."""
+    positives, negatives = _label_masks(labels, labels, 0)
+    positive = (positives * d).max(1)
+    largest = d.max(1, keepdim=True)
+    negative = (d + largest.values * (~negatives)).min(1)
+    return positive, negative, largest, positives, negatives
+
+
+def _st_hardest(x: Tensor, labels: Tensor, distance) -> tuple:
     """sentence-transformers' hardest pair per anchor: the largest positive distance (0 without
     positives) and the smallest negative one, each other row counting as the row's largest
-    distance more (so an anchor without negatives gets about its largest distance)."""
-    positives, negatives = _label_masks(labels, labels, 0)
-    hardest_positive = (positives * d).max(1).values
-    largest = d.max(1, keepdim=True).values
-    hardest_negative = (d + largest * (~negatives)).min(1).values
-    return hardest_positive, hardest_negative
+    distance more (so an anchor without negatives gets about its largest distance). Past
+    _ST_CHOSEN_ENTRIES_FROM the library's values are found without a graph and autograd reaches
+    only the entries the library's max and min pass theirs to."""
+    if x.shape[0] ** 2 * x.shape[1] < _ST_CHOSEN_ENTRIES_FROM:
+        positive, negative, *_ = _st_extremes(distance(x), labels)
+        return positive.values, negative.values
+    cosine = distance is _st_cosine_distance
+    rows = _st_rows(x, cosine)
+    with torch.no_grad():
+        gram = _st_gram(rows, cosine)
+        d = _st_distances(gram, cosine)
+        positive, negative, largest, positives, negatives = _st_extremes(d, labels)
+        # the entries that take the gradient: the positive (times its mask), the negative, and
+        # the row's largest where the negative is not one (the library's shift)
+        chosen = torch.stack([positive.indices, negative.indices, largest.indices[:, 0]], 1)
+        masks = torch.cat([positives.gather(1, chosen[:, :1]), torch.ones_like(positives[:, :1]),
+                           (~negatives).gather(1, chosen[:, 1:2])], 1)
+        if cosine:  # clamp_min passes where 1 - a.b >= 0, i.e. a.b <= 1; the diagonal was filled
+            anchors = torch.arange(len(x), device=x.device).unsqueeze(1)
+            passes = (gram.gather(1, chosen) <= 1) & (chosen != anchors)
+            scales = torch.where(passes & masks, -1.0, 0.0)
+        else:  # a distance of 0 has gradient 0
+            distances = d.gather(1, chosen)
+            scales = torch.where((distances > 0) & masks, 1 / distances, 0.0)
+    return _HardestDistances.apply(rows, positive.values, negative.values,
+                                   chosen.t().contiguous(), scales.t().contiguous(), cosine)
 
 
 class BatchHardTripletLoss(_SentenceTransformersTripletLoss):
@@ -891,8 +975,8 @@ class BatchHardTripletLoss(_SentenceTransformersTripletLoss):
                  margin: float = 5) -> None:
         super().__init__(model, distance_metric, margin)
 
-    def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
-        positive, negative = _st_hardest(d, labels)
+    def _torch_loss(self, x: Tensor, labels: Tensor) -> Tensor:
+        positive, negative = _st_hardest(x, labels, self._distance)
         losses = positive - negative + self.triplet_margin
         return torch.where(losses < 0, 0.0, losses).mean()
 
@@ -906,8 +990,8 @@ class BatchHardSoftMarginTripletLoss(_SentenceTransformersTripletLoss):
     def __init__(self, model=None, distance_metric=_st_euclidean_distance) -> None:
         super().__init__(model, distance_metric, None)
 
-    def _loss(self, d: Tensor, labels: Tensor) -> Tensor:
-        positive, negative = _st_hardest(d, labels)
+    def _torch_loss(self, x: Tensor, labels: Tensor) -> Tensor:
+        positive, negative = _st_hardest(x, labels, self._distance)
         return torch.nn.functional.softplus(positive - negative).mean()
 
 

@@ -115,12 +115,15 @@ def assert_like_theirs(ours, theirs, x):
 
 # ---- sentence-transformers ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("dim", [16, 1024])
 @pytest.mark.parametrize("name,distance,kind",
                          list(itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)))
-def test_sentence_transformers_drop_ins(name, distance, kind):
+def test_sentence_transformers_drop_ins(name, distance, kind, dim):
+    # 48 rows of 1024: the hard losses' torch path differentiates only the chosen distances
+    assert 48 ** 2 * 1024 >= ft._ST_CHOSEN_ENTRIES_FROM > 48 ** 2 * 16
     losses = st_losses()
     skip_where_the_library_overflows(losses, name, kind)
-    x, labels = batch(kind)
+    x, labels = batch(kind, dim=dim)
     metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
     margin = {} if name == "BatchHardSoftMarginTripletLoss" else {"margin": 0.7}
     theirs = getattr(losses, name)(None, distance_metric=metric, **margin)
@@ -336,6 +339,26 @@ def test_semi_hard_is_deterministic(size):
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
+@pytest.mark.parametrize("dim", [16, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,distance", list(itertools.product(ST_CLASSES, ST_DISTANCES)))
+def test_sentence_transformers_drop_ins_on_two_byte_embeddings(name, distance, dtype, dim):
+    # sentence-transformers takes 2-byte rows in float32 for both distances: a float32 loss, the
+    # gradient cast back to the embeddings' dtype
+    losses = st_losses()
+    x, labels = batch("plain", dim=dim)
+    metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
+    theirs = getattr(losses, name)(None, distance_metric=metric)
+    ours = getattr(ft, name)(None, distance_metric=metric)
+    x = x.to(dtype)
+    (value, grad), (their_value, their_grad) = (
+        value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
+        for loss in (ours, theirs))
+    assert value.dtype == their_value.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(value, their_value, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, their_grad, rtol=1e-2, atol=1e-5)
+
+
 @requires_cuda
 def test_fused_drop_ins_take_two_byte_embeddings_and_float_labels():
     losses = st_losses()
@@ -350,7 +373,8 @@ def test_fused_drop_ins_take_two_byte_embeddings_and_float_labels():
                                                                          labels * 0.5 + 0.25), want)
             for dtype in (torch.bfloat16, torch.float16):
                 got = ours.compute_loss_from_embeddings([x.to(dtype)], labels)
-                torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+                assert got.dtype == torch.float32  # the library's, from float32 rows
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 # ---- across processes --------------------------------------------------------------------------
