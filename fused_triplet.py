@@ -634,19 +634,78 @@ def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
     return hit.int().argmax(1)
 
 
+def _squares_and_bounds(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
+                        eps: float) -> tuple:
+    """|x_i - x_j + eps|^2 of rows start:stop against every row, from float64 Gram products of
+    the centred rows (norms: their squared norms), and how far torch's pairwise_distance(x_i, x_j, 2, eps)^2 in x's dtype can
+    lie from it: our roundings (dim + 16 a product, the centring's among them) and torch's (the
+    difference, eps, the sum of squares, the root; an underflow an element), with
+    (a + b)^2 <= 2 a^2 + 2 b^2 where that saves a pass."""
+    dim, facts = x.shape[1], torch.finfo(x.dtype)
+    eps = float(torch.tensor(eps, dtype=x.dtype))  # the eps torch adds, in x's dtype
+    shifted = centred[start:stop] + eps
+    norms = shifted.square().sum(1)[:, None] + norms
+    squares = torch.addmm(norms, shifted, centred.t(), alpha=-2)
+    ours = 2.4 * (dim + 16) * 2.0 ** -53  # of the norms
+    theirs = 1.2 * (dim + 8) * facts.eps / 2  # of (2 sqrt(squares + ours) + sqrt(dim) eps)^2
+    bound = squares.clamp_min(0).mul_(8 * theirs).add_(norms, alpha=ours * (1 + 8 * theirs))
+    return squares, bound.add_(theirs * 2 * dim * eps ** 2 + 4 * (dim + 1) * facts.tiny)
+
+
+def _first_extremes(x: Tensor, start: int, candidates: Tensor, eps: float,
+                    largest: bool) -> Tensor:
+    """Per row of candidates (rows start:stop of x against every row), the first column holding
+    the largest (smallest) of torch's pairwise_distance(p = 2) among its candidates;
+    candidates.shape[1] for a row without one."""
+    rows, cols = candidates.nonzero(as_tuple=True)  # in order: a row's columns ascending
+    step = max(1, _REFERENCE_CHUNK_ELEMENTS // max(x.shape[1], 1))
+    d = torch.cat([torch.pairwise_distance(x[start + rows[s:s + step]], x[cols[s:s + step]],
+                                           2.0, eps) for s in range(0, len(rows), step)]
+                  or [x.new_empty(0)])
+    outside = candidates.shape[1]
+    best = torch.full((len(candidates),), -math.inf if largest else math.inf, dtype=d.dtype)
+    best = best.scatter_reduce(0, rows, d, "amax" if largest else "amin")
+    first = torch.where(d == best[rows], cols, outside)
+    return torch.full_like(best, outside, dtype=torch.long).scatter_reduce(0, rows, first, "amin")
+
+
+def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
+                     eps: float, is_positive: Tensor, is_negative: Tensor) -> tuple:
+    """Rows start:stop's hardest positive and negative by torch's pairwise_distance (p = 2),
+    computed only where float64 Gram bounds leave the choice open (ties and near-ties)."""
+    squares, bound = _squares_and_bounds(x, centred, norms, start, stop, eps)
+    lower, upper = squares - bound, squares.add_(bound)
+    floor = torch.where(is_positive, lower, -math.inf).amax(1, keepdim=True)
+    ceiling = torch.where(is_negative, upper, math.inf).amin(1, keepdim=True)
+    return (_first_extremes(x, start, is_positive & (upper >= floor), eps, largest=True),
+            _first_extremes(x, start, is_negative & (lower <= ceiling), eps, largest=False))
+
+
 def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
-    """(positive, negative, valid) per anchor, from exact distances one chunk of anchors at a
-    time; the anchor itself where it has no positive or no negative."""
+    """(positive, negative, valid) per anchor by torch's pairwise_distance, one chunk of anchors
+    at a time; the anchor itself where it has no positive or no negative. On CPU with p = 2 and
+    finite rows of moderate norm the distances are computed only where float64 Gram bounds
+    leave the choice open (else every (anchor, row) difference: batch x batch x dim)."""
     batch = x.shape[0]
     positive = torch.empty(batch, dtype=torch.long, device=x.device)
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        for start, stop in _row_chunks(batch, batch * x.shape[1]):
-            d = _distances_from(x, start, stop, p, eps)
+        centred = x.double()
+        centred = centred - centred.mean(0)
+        norms = centred.square().sum(1)
+        # the bounds' index lists would sync a GPU; past x's dtype's range torch's sums overflow
+        bounded = (x.device.type == "cpu" and p == 2
+                   and bool((norms < torch.finfo(x.dtype).max / 64).all()))
+        for start, stop in _row_chunks(batch, batch if bounded else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
-            positive[start:stop] = _first_extreme(d, is_positive, largest=True)
-            negative[start:stop] = _first_extreme(d, is_negative, largest=False)
+            if bounded:
+                positive[start:stop], negative[start:stop] = _bounded_hardest(
+                    x, centred, norms, start, stop, eps, is_positive, is_negative)
+            else:
+                d = _distances_from(x, start, stop, p, eps)
+                positive[start:stop] = _first_extreme(d, is_positive, largest=True)
+                negative[start:stop] = _first_extreme(d, is_negative, largest=False)
             valid[start:stop] = is_positive.any(1) & is_negative.any(1)
     anchors = torch.arange(batch, device=x.device)
     return torch.where(valid, positive, anchors), torch.where(valid, negative, anchors), valid

@@ -111,6 +111,32 @@ def test_batch_all_reference_with_duplicates_inf_and_nan():
                                                    1e-6, "mean"), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["plain", "ties", "duplicates", "huge norms", "tiny",
+                                  "subnormal", "one line", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_batch_hard_from_bounds_chooses_as_every_distance(kind, dtype, eps):
+    # On CPU batch_hard computes torch's distance only where float64 Gram bounds leave the
+    # choice open: the same choice as from every (anchor, row) distance, ties to the first index
+    x, labels = labelled_batch(300 if kind == "wide" else 60, 700 if kind == "wide" else 5, 4,
+                               seed=len(kind))
+    g = torch.Generator().manual_seed(len(kind))
+    grid = torch.randint(-2, 3, x.shape, generator=g, dtype=torch.float64)
+    x = {"ties": grid, "duplicates": x[torch.randint(0, 8, (len(x),), generator=g)],
+         "huge norms": x * 1e4 + 3e4, "tiny": x * 1e-7, "subnormal": grid * 1e-40,
+         "one line": x[:, :1] * torch.ones(x.shape[1], dtype=torch.float64),
+         "wide": grid}.get(kind, x).to(dtype)
+    d = ft._distances_from(x, 0, len(x), 2.0, eps)
+    is_positive, is_negative = ft._label_masks(labels, labels, 0)
+    valid = is_positive.any(1) & is_negative.any(1)
+    anchors = torch.arange(len(x))
+    want = [torch.where(valid, ft._first_extreme(d, mask, largest), anchors)
+            for mask, largest in ((is_positive, True), (is_negative, False))]
+    got = ft._reference_batch_hard(x, labels, 2.0, eps)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2], valid)
+
+
 @pytest.mark.parametrize("mining", MININGS)
 def test_reference_chunks_give_the_same_result(mining, monkeypatch):
     x, labels = labelled_batch(20, 6, 4, seed=5)
