@@ -681,27 +681,35 @@ def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop
             _first_extremes(x, start, is_negative & (lower <= ceiling), eps, largest=False))
 
 
+def _centred_rows(x: Tensor, p: float):
+    """(x's rows in float64 less their mean, their squared norms) for distances from Gram
+    products: on CPU (on a GPU the index lists of the pairs left open would sync), p = 2, rows
+    finite and well inside x's dtype's range (torch's sums of squares must not overflow);
+    else None."""
+    if x.device.type != "cpu" or p != 2:
+        return None
+    centred = x.double()
+    centred = centred - centred.mean(0)
+    norms = centred.square().sum(1)
+    return (centred, norms) if bool((norms < torch.finfo(x.dtype).max / 64).all()) else None
+
+
 def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
     """(positive, negative, valid) per anchor by torch's pairwise_distance, one chunk of anchors
-    at a time; the anchor itself where it has no positive or no negative. On CPU with p = 2 and
-    finite rows of moderate norm the distances are computed only where float64 Gram bounds
-    leave the choice open (else every (anchor, row) difference: batch x batch x dim)."""
+    at a time; the anchor itself where it has no positive or no negative. The distances only
+    where float64 Gram bounds leave the choice open where _centred_rows allows (else every
+    (anchor, row) difference: batch x batch x dim)."""
     batch = x.shape[0]
     positive = torch.empty(batch, dtype=torch.long, device=x.device)
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        centred = x.double()
-        centred = centred - centred.mean(0)
-        norms = centred.square().sum(1)
-        # the bounds' index lists would sync a GPU; past x's dtype's range torch's sums overflow
-        bounded = (x.device.type == "cpu" and p == 2
-                   and bool((norms < torch.finfo(x.dtype).max / 64).all()))
-        for start, stop in _row_chunks(batch, batch if bounded else batch * x.shape[1]):
+        gram = _centred_rows(x, p)
+        for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
-            if bounded:
+            if gram:
                 positive[start:stop], negative[start:stop] = _bounded_hardest(
-                    x, centred, norms, start, stop, eps, is_positive, is_negative)
+                    x, *gram, start, stop, eps, is_positive, is_negative)
             else:
                 d = _distances_from(x, start, stop, p, eps)
                 positive[start:stop] = _first_extreme(d, is_positive, largest=True)
@@ -711,14 +719,33 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     return torch.where(valid, positive, anchors), torch.where(valid, negative, anchors), valid
 
 
-def _batch_all_rows(x: Tensor, labels: Tensor, start: int, stop: int, margin: float, p: float,
-                    eps: float) -> tuple:
+def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float) -> Tensor:
+    """Rows start:stop of torch's pairwise_distance to every row, differentiable. With gram
+    (_centred_rows's): from float64 Gram products (no batch x batch x dim differences), torch's
+    own where their rounding could reach 2^-30 of the square (close pairs)."""
+    if gram is None:
+        return _distances_from(x, start, stop, p, eps)
+    centred, norms = gram
+    shifted = centred[start:stop] + float(torch.tensor(eps, dtype=x.dtype))
+    sums = shifted.square().sum(1)[:, None] + norms
+    squares = torch.addmm(sums, shifted, centred.t(), alpha=-2)
+    with torch.no_grad():  # _squares_and_bounds's bound on our roundings
+        close = 2.4 * (x.shape[1] + 16) * 2.0 ** -53 * sums > squares * 2.0 ** -30
+    rows, cols = close.nonzero(as_tuple=True)
+    exact = torch.pairwise_distance(x[start + rows], x[cols], 2.0, eps)
+    far = torch.where(close, 1.0, squares).sqrt().to(x.dtype)  # no root of 0 in the graph
+    return torch.where(close, far.new_zeros(()).expand_as(far).index_put((rows, cols), exact),
+                       far)
+
+
+def _batch_all_rows(x: Tensor, gram, labels: Tensor, start: int, stop: int, margin: float,
+                    p: float, eps: float) -> tuple:
     """Anchors start:stop: each one's sum of relu(margin + d_ap - d_an) over its triplets, and
     how many are > 0. The negatives closer than margin + d_ap are a prefix of the anchor's
     negatives sorted by distance, so each positive adds a count and a prefix sum: O(B log B) an
     anchor, not B^2. Rows with a distance that is not finite take every triplet one by one (inf
     and NaN propagate as relu's do)."""
-    d = _distances_from(x, start, stop, p, eps)
+    d = _row_distances(x, gram, start, stop, p, eps)
     is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
     negatives = torch.where(is_negative, d, math.inf).sort(1).values  # the others last
     thresholds = margin + d
@@ -737,13 +764,20 @@ def _batch_all_rows(x: Tensor, labels: Tensor, start: int, stop: int, margin: fl
 
 
 def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps: float) -> tuple:
-    """(loss, active) per anchor; each chunk is recomputed in the backward (checkpoint), so its
-    (rows, batch, dim) differences are never kept."""
+    """(loss, active) per anchor. float64 rows take every difference (Gram products would not
+    reach their rounding). A chunk's (rows, batch, dim) differences, or its (rows, batch)
+    products where the batch takes several chunks, are recomputed in the backward (checkpoint)
+    instead of kept."""
     from torch.utils.checkpoint import checkpoint
 
-    parts = [checkpoint(_batch_all_rows, x, labels, start, stop, margin, p, eps,
+    gram = _centred_rows(x, p) if x.dtype != torch.float64 else None
+    per_row = x.shape[0] * (4 if gram else x.shape[1])  # a chunk's float64 (rows, batch) tensors
+    chunks = _row_chunks(x.shape[0], per_row)
+    parts = [_batch_all_rows(x, gram, labels, start, stop, margin, p, eps)
+             if gram and len(chunks) == 1 else
+             checkpoint(_batch_all_rows, x, gram, labels, start, stop, margin, p, eps,
                         use_reentrant=False)
-             for start, stop in _row_chunks(x.shape[0], x.shape[0] * x.shape[1])]
+             for start, stop in chunks]
     if not parts:
         return x.new_zeros(0), torch.zeros(0, dtype=torch.long, device=x.device)
     return torch.cat([loss for loss, _ in parts]), torch.cat([count for _, count in parts])

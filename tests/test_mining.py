@@ -271,6 +271,33 @@ def reference_loss(x, labels, mining, margin, reduction):
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
 
 
+@pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes"])
+def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind):
+    # float32 rows on CPU: distances from float64 Gram products of centred rows, torch's own for
+    # close pairs (duplicates); per-anchor losses and the gradient of a weight per anchor
+    x, labels = labelled_batch(96, 48, 6, seed=9)
+    if kind == "duplicates":
+        x[1::7] = x[0]
+    elif kind == "far from the origin":
+        x = x + 300
+    elif kind == "tight classes":
+        x = labelled_batch(6, 48, 1, seed=10)[0][labels] * 3 + 0.01 * x
+    weights = torch.rand(96, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def losses_and_grad(losses_of, e):
+        leaf = e.clone().requires_grad_(True)
+        losses = losses_of(leaf)
+        (losses * weights.to(losses.dtype)).sum().backward()
+        return losses.detach(), leaf.grad
+
+    ours = losses_and_grad(lambda e: ft.mined_triplet_margin_loss(
+        e, labels, "batch_all", margin=0.5, reduction="none"), x.float())
+    torch_float32, exact = (losses_and_grad(lambda e: every_triplet(e, labels, 0.5)[0], e)
+                            for e in (x.float(), x))
+    for got, theirs, want in zip(ours, torch_float32, exact):
+        assert_as_accurate_as_torch(got, theirs, want)
+
+
 @requires_cuda
 @pytest.mark.parametrize("mining,reduction", list(itertools.product(MININGS, REDUCTIONS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
