@@ -391,6 +391,72 @@ def bench_dropin(library, variant, batch, dim, rounds, warmup):
     return rows
 
 
+# torch's path on CPU (CPU users, notebooks, CI): per shape, the mined losses against
+# pytorch-metric-learning's settings that equal them, every drop-in against the class it replaces.
+CPU_SHAPES = [(64, 128), (256, 512), (1024, 512)]
+CPU_CASES = ([("mined", m) for m in ("batch_hard", "batch_all")]
+             + [(library, variant) for library, variant, batch, _ in DROPIN_CASES if batch == 1024])
+CPU_RESULTS = "results/cpu_mining.json"
+
+
+def pml_all_triplets(margin):
+    """pytorch-metric-learning's TripletMarginLoss without a miner (every triplet, the mean of
+    those > 0: batch_all's), or why it cannot run."""
+    try:
+        from pytorch_metric_learning import distances, losses, reducers
+    except ImportError as error:
+        return f"pytorch-metric-learning not installed ({error})"
+    loss = losses.TripletMarginLoss(margin=margin, reducer=reducers.AvgNonZeroReducer(),
+                                    distance=distances.LpDistance(normalize_embeddings=False))
+    return lambda e, labels: loss(e, labels)
+
+
+def bench_cpu(family, variant, batch, dim, rounds, warmup):
+    """One CPU case: each contender's fwd+bwd step on the host clock, interleaved."""
+    torch.manual_seed(0)
+    e = torch.randn(batch, dim).requires_grad_()
+    labels = (torch.arange(batch) // 8)[torch.randperm(batch)]
+    if family == "mined":
+        losses = {"fused_triplet": lambda x, y: fused_triplet.mined_triplet_margin_loss(
+            x, y, variant), "pytorch-metric-learning": (
+            pml_batch_hard if variant == "batch_hard" else pml_all_triplets)(1.0)}
+    else:
+        losses = dropin_steps(family, variant)
+    base = {"family": family, "variant": str(variant), "shape": [batch, dim],
+            "threads": torch.get_num_threads()}
+    if isinstance(losses, str):
+        return [dict(base, contender=family, skipped=losses)]
+    steps = {name: training_step(loss) for name, loss in losses.items() if callable(loss)}
+    times = {name: statistics.median(t) for name, t in
+             time_synced(steps, (e, labels), rounds, warmup, sync=lambda: None).items()}
+    return [dict(base, contender=name, step_ms=times[name],
+                 over_fused=times[name] / times["fused_triplet"]) if name in times else
+            dict(base, contender=name, skipped=loss) for name, loss in losses.items()]
+
+
+def readme_cpu_table(rows):
+    """README's CPU table: per case, ours and the library's step at each shape."""
+    shapes = [list(s) for s in CPU_SHAPES]
+    head = "| loss on CPU | library | " + " | ".join(f"{b} x {d}" for b, d in CPU_SHAPES) + " |"
+    lines = [head, "|---|---|" + "---:|" * len(shapes)]
+    for family, variant in CPU_CASES:
+        case = [r for r in rows if r["family"] == family and r["variant"] == str(variant)]
+        for library in dict.fromkeys(r["contender"] for r in case if "step_ms" in r):
+            if library == "fused_triplet":
+                continue
+            cells = []
+            for shape in shapes:
+                ours, theirs = ([r for r in case if r["shape"] == shape and r["contender"] == c]
+                                for c in ("fused_triplet", library))
+                cells.append(f"**{ours[0]['step_ms']:.2f}** / {theirs[0]['step_ms']:.2f} ms"
+                             if ours and theirs and "step_ms" in theirs[0] else "-")
+            name = (f"mined_triplet_margin_loss {variant}" if family == "mined" else
+                    f"pml_triplet_loss, {variant or 'no miner'}"
+                    if family == "pytorch-metric-learning" else variant)
+            lines.append(f"| {name} | {library} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def launches_and_syncs(fn, args):
     """(kernels, copies and fills launched, host synchronisations and device-to-host copies) of
     one call, from the profiler, less what it counts around an empty call (its own)."""
@@ -410,10 +476,12 @@ def launches_and_syncs(fn, args):
     return launches - own_launches, syncs - own_syncs
 
 
-def time_synced(fns: dict, args, rounds: int, warmup: int):
+def time_synced(fns: dict, args, rounds: int, warmup: int, sync=None):
     """{name: [ms per round]} with the host in the window: synchronised before, each call timed
     on the host clock until the device has finished it, contenders interleaved, in reverse order
-    every other round (the first of a round read 2-4% slower than the second, whichever it was)."""
+    every other round (the first of a round read 2-4% slower than the second, whichever it was).
+    sync: what waits for the device (torch.cuda.synchronize; nothing on CPU)."""
+    sync = sync or torch.cuda.synchronize
     for _ in range(warmup):
         for fn in fns.values():
             fn(*args)
@@ -421,10 +489,10 @@ def time_synced(fns: dict, args, rounds: int, warmup: int):
     for round_index in range(rounds):
         order = list(fns.items())
         for name, fn in order if round_index % 2 == 0 else reversed(order):
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             fn(*args)
-            torch.cuda.synchronize()
+            sync()
             times[name].append((time.perf_counter() - start) * 1e3)
     return times
 
@@ -751,6 +819,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dropins", action="store_true",
                         help="time the drop-ins (fwd+bwd) against the library classes they "
                         "replace: " + ", ".join(f"{v} {b}x{d}" for _, v, b, d in DROPIN_CASES))
+    parser.add_argument("--cpu", action="store_true",
+                        help="time torch's path on CPU (fwd+bwd, the host clock): the mined "
+                        "losses and every drop-in against the libraries at " +
+                        ", ".join(f"{b}x{d}" for b, d in CPU_SHAPES) + f" (recorded: {CPU_RESULTS})")
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",
@@ -776,6 +848,25 @@ def main(argv=None) -> int:
         if os.path.exists(DROPIN_RESULTS):
             with open(DROPIN_RESULTS) as f:
                 print("\n" + readme_dropins_table(json.load(f)["results"]))
+        if os.path.exists(CPU_RESULTS):
+            with open(CPU_RESULTS) as f:
+                print("\n" + readme_cpu_table(json.load(f)["results"]))
+        return 0
+    if args.cpu:
+        rows = []
+        for batch, dim in CPU_SHAPES:
+            for family, variant in CPU_CASES:
+                small = batch < 1024  # the libraries' cubes take seconds a step at 1024 rows
+                case_rows = bench_cpu(family, variant, batch, dim,
+                                      rounds=args.rounds if small else min(args.rounds, 5),
+                                      warmup=args.warmup if small else 1)
+                rows += case_rows
+                for row in case_rows:
+                    print(f"{str(variant):>30} {batch}x{dim:<5} {row['contender']:>24} "
+                          f"{row.get('step_ms', float('nan')):10.2f} ms "
+                          f"{row.get('over_fused', float('nan')):6.2f}x "
+                          f"{row.get('skipped', '')}", flush=True)
+        write_json(args.json, None, rows)
         return 0
     if args.merge:
         return merge(args.merge, args.json, args.plot)
@@ -868,7 +959,8 @@ def main(argv=None) -> int:
 def write_json(path, props, rows):
     if not path:
         return
-    meta = {"gpu": props.name, "torch": torch.__version__, "date": str(datetime.date.today()),
+    meta = {"gpu": props.name if props else None, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "date": str(datetime.date.today()),
             "device_lead_cycles": DEVICE_LEAD_CYCLES, "mining_lead_factor": MINING_LEAD_FACTOR}
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)

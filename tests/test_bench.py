@@ -35,10 +35,23 @@ def test_readme_table_is_the_recorded_one():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     for table in proc.stdout.strip().split("\n\n"):
-        # the triplet tables at the KernelBench shape, the mining and drop-in tables
+        # the triplet tables at the KernelBench shape, the mining, drop-in and CPU tables
         assert table.count("\n") >= 3 and ("32768 x 8192" in table or "| mining |" in table
-                                            or "| drop-in |" in table)
+                                            or "| drop-in |" in table
+                                            or "| loss on CPU |" in table)
         assert table in readme, "README's tables differ: paste `python bench.py --readme-table`"
+
+
+def test_cpu_mode_times_each_case_against_its_library():
+    """--cpu's cases run on CPU: ours and each library's step (or the line why it is skipped)."""
+    sys.path.insert(0, ROOT)
+    import bench
+
+    for family, variant in bench.CPU_CASES:
+        rows = bench.bench_cpu(family, variant, 16, 8, rounds=1, warmup=0)
+        assert all("step_ms" in r or "skipped" in r for r in rows), rows
+        assert any(r["contender"] == "fused_triplet" and r["step_ms"] > 0 for r in rows) or \
+            rows[0].get("skipped"), rows
 
 
 def test_merge_joins_parts_without_a_gpu(tmp_path):
