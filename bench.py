@@ -822,7 +822,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="time torch's path on CPU (fwd+bwd, the host clock): the mined "
                         "losses and every drop-in against the libraries at " +
-                        ", ".join(f"{b}x{d}" for b, d in CPU_SHAPES) + f" (recorded: {CPU_RESULTS})")
+                        ", ".join(f"{b}x{d}" for b, d in CPU_SHAPES) +
+                        f" (recorded: {CPU_RESULTS})")
     parser.add_argument("--sweep", action="store_true",
                         help="fp32 and bf16 over " + SWEEP_SHAPES + " (forward; --backward adds both fwd+bwd)")
     parser.add_argument("--host-latency", action="store_true",

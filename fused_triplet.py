@@ -637,10 +637,11 @@ def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
 def _squares_and_bounds(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
                         eps: float) -> tuple:
     """|x_i - x_j + eps|^2 of rows start:stop against every row, from float64 Gram products of
-    the centred rows (norms: their squared norms), and how far torch's pairwise_distance(x_i, x_j, 2, eps)^2 in x's dtype can
-    lie from it: our roundings (dim + 16 a product, the centring's among them) and torch's (the
-    difference, eps, the sum of squares, the root; an underflow an element), with
-    (a + b)^2 <= 2 a^2 + 2 b^2 where that saves a pass."""
+    the centred rows (norms: their squared norms), and how far torch's
+    pairwise_distance(x_i, x_j, 2, eps)^2 in x's dtype can lie from it: our roundings (dim + 16
+    a product, the centring's among them) and torch's (the difference, eps, the sum of squares,
+    the root; an underflow an element), with (a + b)^2 <= 2 a^2 + 2 b^2 where that saves a
+    pass."""
     dim, facts = x.shape[1], torch.finfo(x.dtype)
     eps = float(torch.tensor(eps, dtype=x.dtype))  # the eps torch adds, in x's dtype
     shifted = centred[start:stop] + eps
@@ -1030,11 +1031,11 @@ def _st_extremes(d: Tensor, labels: Tensor) -> tuple:
 def _st_hardest(x: Tensor, labels: Tensor, distance) -> tuple:
     """sentence-transformers' hardest pair per anchor: the largest positive distance (0 without
     positives) and the smallest negative one, each other row counting as the row's largest
-    distance more (so an anchor without negatives gets about its largest distance). Past
+    distance more (so an anchor without negatives gets about its largest distance). On CPU past
     _ST_CHOSEN_ENTRIES_FROM the library's values are found without a graph and autograd reaches
     only the entries the library's max and min pass theirs to."""
-    if x.shape[0] ** 2 * x.shape[1] < _ST_CHOSEN_ENTRIES_FROM:
-        positive, negative, *_ = _st_extremes(distance(x), labels)
+    if x.device.type != "cpu" or x.shape[0] ** 2 * x.shape[1] < _ST_CHOSEN_ENTRIES_FROM:
+        positive, negative, *_ = _st_extremes(distance(x), labels)  # index_add: GPU atomics
         return positive.values, negative.values
     cosine = distance is _st_cosine_distance
     rows = _st_rows(x, cosine)
