@@ -731,7 +731,7 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     sums = shifted.square().sum(1)[:, None] + norms
     squares = torch.addmm(sums, shifted, centred.t(), alpha=-2)
     with torch.no_grad():  # _squares_and_bounds's bound on our roundings
-        close = 2.4 * (x.shape[1] + 16) * 2.0 ** -53 * sums > squares * 2.0 ** -30
+        close = 2.4 * (x.shape[1] + 16) * 2.0 ** -53 * sums >= squares * 2.0 ** -30
     rows, cols = close.nonzero(as_tuple=True)
     exact = torch.pairwise_distance(x[start + rows], x[cols], 2.0, eps)
     far = torch.where(close, 1.0, squares).sqrt().to(x.dtype)  # no root of 0 in the graph
@@ -779,8 +779,8 @@ def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps
              checkpoint(_batch_all_rows, x, gram, labels, start, stop, margin, p, eps,
                         use_reentrant=False)
              for start, stop in chunks]
-    if not parts:
-        return x.new_zeros(0), torch.zeros(0, dtype=torch.long, device=x.device)
+    if not parts:  # an empty batch: still in the graph, so that backward() runs
+        return x.sum(1) * 0, torch.zeros(0, dtype=torch.long, device=x.device)
     return torch.cat([loss for loss, _ in parts]), torch.cat([count for _, count in parts])
 
 

@@ -80,6 +80,10 @@ def test_single_class_and_empty_batch_give_zero():
         assert empty == 0
     assert ft.mined_triplet_margin_loss(x[:0], torch.zeros(0, dtype=torch.long),
                                         reduction="none").shape == (0,)
+    for mining in MININGS:  # backward runs on an empty batch: a gradient of shape (0, dim)
+        leaf = x[:0].clone().requires_grad_(True)
+        ft.mined_triplet_margin_loss(leaf, torch.zeros(0, dtype=torch.long), mining).backward()
+        assert leaf.grad.shape == (0, 4)
 
 
 def test_ties_choose_the_first_index():
@@ -271,10 +275,13 @@ def reference_loss(x, labels, mining, margin, reduction):
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
 
 
-@pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes"])
-def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind):
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes",
+                                  "one point"])
+def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps):
     # float32 rows on CPU: distances from float64 Gram products of centred rows, torch's own for
-    # close pairs (duplicates); per-anchor losses and the gradient of a weight per anchor
+    # close pairs (duplicates, distances of 0); per-anchor losses and the gradient of a weight
+    # per anchor
     x, labels = labelled_batch(96, 48, 6, seed=9)
     if kind == "duplicates":
         x[1::7] = x[0]
@@ -282,6 +289,8 @@ def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind):
         x = x + 300
     elif kind == "tight classes":
         x = labelled_batch(6, 48, 1, seed=10)[0][labels] * 3 + 0.01 * x
+    elif kind == "one point":
+        x = torch.zeros_like(x)
     weights = torch.rand(96, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     def losses_and_grad(losses_of, e):
@@ -291,8 +300,8 @@ def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind):
         return losses.detach(), leaf.grad
 
     ours = losses_and_grad(lambda e: ft.mined_triplet_margin_loss(
-        e, labels, "batch_all", margin=0.5, reduction="none"), x.float())
-    torch_float32, exact = (losses_and_grad(lambda e: every_triplet(e, labels, 0.5)[0], e)
+        e, labels, "batch_all", margin=0.5, eps=eps, reduction="none"), x.float())
+    torch_float32, exact = (losses_and_grad(lambda e: every_triplet(e, labels, 0.5, eps)[0], e)
                             for e in (x.float(), x))
     for got, theirs, want in zip(ours, torch_float32, exact):
         assert_as_accurate_as_torch(got, theirs, want)
