@@ -634,22 +634,33 @@ def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
     return hit.int().argmax(1)
 
 
+def _gram_squares(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
+                  eps: float) -> tuple:
+    """|x_i - x_j + eps|^2 of rows start:stop against every row, from float64 Gram products of
+    the centred rows (norms: their squared norms), differentiable; and |x~_i|^2 + |x~_j|^2,
+    which our roundings stay within _gram_rounding(dim) of."""
+    shifted = centred[start:stop] + float(torch.tensor(eps, dtype=x.dtype))  # torch's eps
+    sums = shifted.square().sum(1)[:, None] + norms
+    return torch.addmm(sums, shifted, centred.t(), alpha=-2), sums
+
+
+def _gram_rounding(dim: int) -> float:
+    """Our roundings of |a - b|^2 over |a~|^2 + |b~|^2: dim + 16 of a product's (the centring's
+    among them), with room."""
+    return 2.4 * (dim + 16) * 2.0 ** -53
+
+
 def _squares_and_bounds(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
                         eps: float) -> tuple:
-    """|x_i - x_j + eps|^2 of rows start:stop against every row, from float64 Gram products of
-    the centred rows (norms: their squared norms), and how far torch's
-    pairwise_distance(x_i, x_j, 2, eps)^2 in x's dtype can lie from it: our roundings (dim + 16
-    a product, the centring's among them) and torch's (the difference, eps, the sum of squares,
+    """_gram_squares's squares and how far torch's pairwise_distance(x_i, x_j, 2, eps)^2 in x's
+    dtype can lie from them: our roundings and torch's (the difference, eps, the sum of squares,
     the root; an underflow an element), with (a + b)^2 <= 2 a^2 + 2 b^2 where that saves a
     pass."""
     dim, facts = x.shape[1], torch.finfo(x.dtype)
-    eps = float(torch.tensor(eps, dtype=x.dtype))  # the eps torch adds, in x's dtype
-    shifted = centred[start:stop] + eps
-    norms = shifted.square().sum(1)[:, None] + norms
-    squares = torch.addmm(norms, shifted, centred.t(), alpha=-2)
-    ours = 2.4 * (dim + 16) * 2.0 ** -53  # of the norms
+    squares, sums = _gram_squares(x, centred, norms, start, stop, eps)
+    ours = _gram_rounding(dim)
     theirs = 1.2 * (dim + 8) * facts.eps / 2  # of (2 sqrt(squares + ours) + sqrt(dim) eps)^2
-    bound = squares.clamp_min(0).mul_(8 * theirs).add_(norms, alpha=ours * (1 + 8 * theirs))
+    bound = squares.clamp_min(0).mul_(8 * theirs).add_(sums, alpha=ours * (1 + 8 * theirs))
     return squares, bound.add_(theirs * 2 * dim * eps ** 2 + 4 * (dim + 1) * facts.tiny)
 
 
@@ -726,12 +737,9 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     own where their rounding could reach 2^-30 of the square (close pairs)."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    centred, norms = gram
-    shifted = centred[start:stop] + float(torch.tensor(eps, dtype=x.dtype))
-    sums = shifted.square().sum(1)[:, None] + norms
-    squares = torch.addmm(sums, shifted, centred.t(), alpha=-2)
-    with torch.no_grad():  # _squares_and_bounds's bound on our roundings
-        close = 2.4 * (x.shape[1] + 16) * 2.0 ** -53 * sums >= squares * 2.0 ** -30
+    squares, sums = _gram_squares(x, *gram, start, stop, eps)
+    with torch.no_grad():
+        close = _gram_rounding(x.shape[1]) * sums >= squares * 2.0 ** -30
     rows, cols = close.nonzero(as_tuple=True)
     exact = torch.pairwise_distance(x[start + rows], x[cols], 2.0, eps)
     far = torch.where(close, 1.0, squares).sqrt().to(x.dtype)  # no root of 0 in the graph
