@@ -1042,8 +1042,9 @@ def _st_hardest(x: Tensor, labels: Tensor, distance) -> tuple:
     distance more (so an anchor without negatives gets about its largest distance). On CPU past
     _ST_CHOSEN_ENTRIES_FROM the library's values are found without a graph and autograd reaches
     only the entries the library's max and min pass theirs to."""
+    # the library's own graph on a GPU (the backward's index_add would add with atomics there)
     if x.device.type != "cpu" or x.shape[0] ** 2 * x.shape[1] < _ST_CHOSEN_ENTRIES_FROM:
-        positive, negative, *_ = _st_extremes(distance(x), labels)  # index_add: GPU atomics
+        positive, negative, *_ = _st_extremes(distance(x), labels)
         return positive.values, negative.values
     cosine = distance is _st_cosine_distance
     rows = _st_rows(x, cosine)
