@@ -693,17 +693,18 @@ def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop
             _first_extremes(x, start, is_negative & (lower <= ceiling), eps, largest=False))
 
 
-def _centred_rows(x: Tensor, p: float):
+def _centred_rows(x: Tensor, p: float, eps: float):
     """(x's rows in float64 less their mean, their squared norms) for distances from Gram
     products: on CPU (on a GPU the index lists of the pairs left open would sync), p = 2, rows
-    finite and well inside x's dtype's range (torch's sums of squares must not overflow);
-    else None."""
-    if x.device.type != "cpu" or p != 2:
+    and eps finite and well inside x's dtype's range (torch's sums of squares must not
+    overflow); else None."""
+    limit = torch.finfo(x.dtype).max / 64
+    if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
     centred = x.double()
     centred = centred - centred.mean(0)
     norms = centred.square().sum(1)
-    return (centred, norms) if bool((norms < torch.finfo(x.dtype).max / 64).all()) else None
+    return (centred, norms) if bool((norms < limit).all()) else None
 
 
 def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
@@ -716,7 +717,7 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        gram = _centred_rows(x, p)
+        gram = _centred_rows(x, p, eps)
         for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
@@ -779,7 +780,7 @@ def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps
     instead of kept."""
     from torch.utils.checkpoint import checkpoint
 
-    gram = _centred_rows(x, p) if x.dtype != torch.float64 else None
+    gram = _centred_rows(x, p, eps) if x.dtype != torch.float64 else None
     per_row = x.shape[0] * (4 if gram else x.shape[1])  # a chunk's float64 (rows, batch) tensors
     chunks = _row_chunks(x.shape[0], per_row)
     parts = [_batch_all_rows(x, gram, labels, start, stop, margin, p, eps)

@@ -1,6 +1,7 @@
 """mined_triplet_margin_loss: the torch reference against brute force and pytorch-metric-learning
 (everywhere), the kernels against the reference (on a GPU)."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def test_batch_all_reference_with_duplicates_inf_and_nan():
 @pytest.mark.parametrize("kind", ["plain", "ties", "duplicates", "huge norms", "tiny",
                                   "subnormal", "one line", "wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("eps", [1e-6, 0.0, 1e39, math.inf])
 def test_batch_hard_from_bounds_chooses_as_every_distance(kind, dtype, eps):
     # On CPU batch_hard computes torch's distance only where float64 Gram bounds leave the
     # choice open: the same choice as from every (anchor, row) distance, ties to the first index
