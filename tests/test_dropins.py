@@ -24,15 +24,26 @@ def st_losses():
                "comparison is skipped")
 
 
+def st_version() -> tuple:
+    import sentence_transformers
+
+    return tuple(int(v) for v in sentence_transformers.__version__.split(".")[:2])
+
+
 def skip_where_the_library_overflows(losses, name, kind):
     """sentence-transformers before 6.3 computes the soft margin as log1p(exp(x)): inf where x is
     large (huge norms); the drop-in follows 6.3's softplus."""
-    import sentence_transformers
-
-    major, minor = (int(v) for v in sentence_transformers.__version__.split(".")[:2])
-    if name == "BatchHardSoftMarginTripletLoss" and kind == "huge norms" and (major, minor) < (6, 3):
-        pytest.skip(f"sentence-transformers {sentence_transformers.__version__} overflows to inf "
+    if name == "BatchHardSoftMarginTripletLoss" and kind == "huge norms" and st_version() < (6, 3):
+        pytest.skip(f"sentence-transformers {'.'.join(map(str, st_version()))} overflows to inf "
                     "here (log1p(exp(x))); the drop-in follows 6.3's softplus")
+
+
+def skip_where_the_library_keeps_two_bytes(distance):
+    """sentence-transformers before 6.2 takes the euclidean distance of 2-byte embeddings in
+    their own dtype; the drop-in follows 6.2's float32 (its cos_sim upcasts in 6.0 already)."""
+    if distance == "euclidean_distance" and st_version() < (6, 2):
+        pytest.skip(f"sentence-transformers {'.'.join(map(str, st_version()))} computes 2-byte "
+                    "euclidean distances in 2 bytes; the drop-in follows 6.2's float32")
 
 
 def pml():
@@ -346,6 +357,7 @@ def test_sentence_transformers_drop_ins_on_two_byte_embeddings(name, distance, d
     # sentence-transformers takes 2-byte rows in float32 for both distances: a float32 loss, the
     # gradient cast back to the embeddings' dtype
     losses = st_losses()
+    skip_where_the_library_keeps_two_bytes(distance)
     x, labels = batch("plain", dim=dim)
     metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
     theirs = getattr(losses, name)(None, distance_metric=metric)
