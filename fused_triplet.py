@@ -1041,25 +1041,37 @@ def _st_hardest(x: Tensor, labels: Tensor, distance) -> tuple:
     """sentence-transformers' hardest pair per anchor: the largest positive distance (0 without
     positives) and the smallest negative one, each other row counting as the row's largest
     distance more (so an anchor without negatives gets about its largest distance). On CPU past
-    _ST_CHOSEN_ENTRIES_FROM the library's values are found without a graph and autograd reaches
-    only the entries the library's max and min pass theirs to."""
-    # the library's own graph on a GPU (the backward's index_add would add with atomics there)
-    if x.device.type != "cpu" or x.shape[0] ** 2 * x.shape[1] < _ST_CHOSEN_ENTRIES_FROM:
-        positive, negative, *_ = _st_extremes(distance(x), labels)
-        return positive.values, negative.values
+    _ST_CHOSEN_ENTRIES_FROM, with finite distances, the library's values are found without a
+    graph and autograd reaches only the entries the library's max and min pass theirs to."""
     cosine = distance is _st_cosine_distance
-    rows = _st_rows(x, cosine)
+    if x.device.type == "cpu" and x.shape[0] ** 2 * x.shape[1] >= _ST_CHOSEN_ENTRIES_FROM:
+        rows = _st_rows(x, cosine)
+        with torch.no_grad():
+            gram = _st_gram(rows, cosine)
+            d = _st_distances(gram, cosine)
+            extremes = _st_extremes(d, labels)
+        # a row's largest distance is NaN or inf where any of its distances is: then the
+        # library's graph, which spreads them as the library does
+        if bool(extremes[2].values.isfinite().all()):
+            return _chosen_distances(rows, gram, d, cosine, *extremes)
+    # the library's own graph on a GPU too (the backward's index_add would add with atomics)
+    positive, negative, *_ = _st_extremes(distance(x), labels)
+    return positive.values, negative.values
+
+
+def _chosen_distances(rows: Tensor, gram: Tensor, d: Tensor, cosine: bool, positive, negative,
+                      largest, positives: Tensor, negatives: Tensor) -> tuple:
+    """_st_hardest's pair from the distances d of rows (Gram products gram) and their extremes,
+    all computed without a graph: the library's values, and a gradient through the entries its
+    max and min pass theirs to only."""
     with torch.no_grad():
-        gram = _st_gram(rows, cosine)
-        d = _st_distances(gram, cosine)
-        positive, negative, largest, positives, negatives = _st_extremes(d, labels)
         # the entries that take the gradient: the positive (times its mask), the negative, and
         # the row's largest where the negative is not one (the library's shift)
         chosen = torch.stack([positive.indices, negative.indices, largest.indices[:, 0]], 1)
         masks = torch.cat([positives.gather(1, chosen[:, :1]), torch.ones_like(positives[:, :1]),
                            (~negatives).gather(1, chosen[:, 1:2])], 1)
         if cosine:  # clamp_min passes where 1 - a.b >= 0, i.e. a.b <= 1; the diagonal was filled
-            anchors = torch.arange(len(x), device=x.device).unsqueeze(1)
+            anchors = torch.arange(len(d), device=d.device).unsqueeze(1)
             passes = (gram.gather(1, chosen) <= 1) & (chosen != anchors)
             scales = torch.where(passes & masks, -1.0, 0.0)
         else:  # a distance of 0 has gradient 0

@@ -3,6 +3,7 @@ Batch*TripletLoss classes and pytorch-metric-learning's TripletMarginLoss with i
 library skipped with a line when absent), values and gradients in float64 and float32; their
 refusals; gather_across_ranks in two processes."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -348,6 +349,23 @@ def test_semi_hard_is_deterministic(size):
     first, second = (value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
                      for _ in range(2))
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_sentence_transformers_hard_drop_ins_spread_what_is_not_finite_as_theirs(value):
+    # 48 rows of 1024 with a NaN or inf: the library's graph, NaN wherever the library has it
+    losses = st_losses()
+    x, labels = batch("plain", dim=1024)
+    x[3, 5] = value
+    for name, distance in itertools.product(
+            ("BatchHardTripletLoss", "BatchHardSoftMarginTripletLoss"), ST_DISTANCES):
+        metric = getattr(losses.BatchHardTripletLossDistanceFunction, distance)
+        (value_ours, grad), (value_theirs, their_grad) = (
+            value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
+            for loss in (getattr(ft, name)(None, distance_metric=metric),
+                         getattr(losses, name)(None, distance_metric=metric)))
+        torch.testing.assert_close(value_ours, value_theirs, equal_nan=True)
+        torch.testing.assert_close(grad, their_grad, equal_nan=True)
 
 
 @pytest.mark.parametrize("dim", [16, 1024])
