@@ -618,11 +618,10 @@ def _label_masks(labels: Tensor, ref_labels: Tensor, first: int | None) -> tuple
     masks. first: where the anchors start among the refs when the refs are the batch itself (an
     anchor is not its own positive); None for a reference set of other rows."""
     same = labels[:, None] == ref_labels[None, :]
-    if first is None:
-        return same, ~same
-    anchors = torch.arange(first, first + labels.shape[0], device=labels.device)
-    is_self = anchors[:, None] == torch.arange(ref_labels.shape[0], device=labels.device)[None, :]
-    return same & ~is_self, ~same
+    negatives = ~same
+    if first is not None:
+        same.diagonal(first).fill_(False)  # (i, first + i): the anchor itself
+    return same, negatives
 
 
 def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
@@ -636,18 +635,21 @@ def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
 
 def _gram_squares(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
                   eps: float) -> tuple:
-    """|x_i - x_j + eps|^2 of rows start:stop against every row, from float64 Gram products of
-    the centred rows (norms: their squared norms), differentiable; and |x~_i|^2 + |x~_j|^2,
-    which our roundings stay within _gram_rounding(dim) of."""
-    shifted = centred[start:stop] + float(torch.tensor(eps, dtype=x.dtype))  # torch's eps
-    sums = shifted.square().sum(1)[:, None] + norms
-    return torch.addmm(sums, shifted, centred.t(), alpha=-2), sums
+    """|x_i - x_j + eps|^2 of rows start:stop against every row, differentiable, from float64
+    Gram products of the centred rows c (norms: their squared norms) as |c_i + eps|^2 + |c_j|^2
+    - 2 c_i.c_j - 2 eps sum(c_j) (no rows x dim temporaries); and |c_i + eps|^2 of rows
+    start:stop, whose sums with norms our roundings stay within _gram_rounding(dim) of."""
+    eps = float(torch.tensor(eps, dtype=x.dtype))  # torch's eps
+    totals = centred.sum(1)
+    shifted = norms[start:stop] + eps * (2 * totals[start:stop] + x.shape[1] * eps)
+    squares = torch.addmm(norms - 2 * eps * totals, centred[start:stop], centred.t(), alpha=-2)
+    return squares.add_(shifted[:, None]), shifted
 
 
 def _gram_rounding(dim: int) -> float:
-    """Our roundings of |a - b|^2 over |a~|^2 + |b~|^2: dim + 16 of a product's (the centring's
-    among them), with room."""
-    return 2.4 * (dim + 16) * 2.0 ** -53
+    """Our roundings of |a - b|^2 over |a~|^2 + |b~|^2: 2 dim + 16 of a product's (c_i.c_j, not
+    (c_i + eps).c_j: twice; the centring's among the 16), with room."""
+    return 2.4 * (2 * dim + 16) * 2.0 ** -53
 
 
 def _squares_and_bounds(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
@@ -655,30 +657,37 @@ def _squares_and_bounds(x: Tensor, centred: Tensor, norms: Tensor, start: int, s
     """_gram_squares's squares and how far torch's pairwise_distance(x_i, x_j, 2, eps)^2 in x's
     dtype can lie from them: our roundings and torch's (the difference, eps, the sum of squares,
     the root; an underflow an element), with (a + b)^2 <= 2 a^2 + 2 b^2 where that saves a
-    pass."""
+    pass, and a square at most twice its sum (plus our rounding)."""
     dim, facts = x.shape[1], torch.finfo(x.dtype)
-    squares, sums = _gram_squares(x, centred, norms, start, stop, eps)
+    squares, shifted = _gram_squares(x, centred, norms, start, stop, eps)
     ours = _gram_rounding(dim)
     theirs = 1.2 * (dim + 8) * facts.eps / 2  # of (2 sqrt(squares + ours) + sqrt(dim) eps)^2
-    bound = squares.clamp_min(0).mul_(8 * theirs).add_(sums, alpha=ours * (1 + 8 * theirs))
-    return squares, bound.add_(theirs * 2 * dim * eps ** 2 + 4 * (dim + 1) * facts.tiny)
+    per_sum = ours * (1 + 8 * theirs) + 8 * theirs * (2 + ours)
+    constant = theirs * 2 * dim * eps ** 2 + 4 * (dim + 1) * facts.tiny
+    bound = (shifted * per_sum + constant)[:, None] + norms * per_sum
+    return squares, bound
 
 
 def _first_extremes(x: Tensor, start: int, candidates: Tensor, eps: float,
                     largest: bool) -> Tensor:
     """Per row of candidates (rows start:stop of x against every row), the first column holding
-    the largest (smallest) of torch's pairwise_distance(p = 2) among its candidates;
-    candidates.shape[1] for a row without one."""
-    rows, cols = candidates.nonzero(as_tuple=True)  # in order: a row's columns ascending
-    step = max(1, _REFERENCE_CHUNK_ELEMENTS // max(x.shape[1], 1))
-    d = torch.cat([torch.pairwise_distance(x[start + rows[s:s + step]], x[cols[s:s + step]],
-                                           2.0, eps) for s in range(0, len(rows), step)]
-                  or [x.new_empty(0)])
-    outside = candidates.shape[1]
-    best = torch.full((len(candidates),), -math.inf if largest else math.inf, dtype=d.dtype)
-    best = best.scatter_reduce(0, rows, d, "amax" if largest else "amin")
-    first = torch.where(d == best[rows], cols, outside)
-    return torch.full_like(best, outside, dtype=torch.long).scatter_reduce(0, rows, first, "amin")
+    the largest (smallest) of torch's pairwise_distance (p = 2) among its candidates: a row's
+    only candidate as it is, the distances computed for rows with several (any column for a row
+    without one)."""
+    chosen = candidates.int().argmax(1)  # a row's first candidate
+    several = (candidates.sum(1) > 1).nonzero()[:, 0]
+    if len(several):
+        rows, cols = candidates[several].nonzero(as_tuple=True)  # a row's columns ascending
+        anchors = several[rows] + start
+        step = max(1, _REFERENCE_CHUNK_ELEMENTS // max(x.shape[1], 1))
+        d = torch.cat([torch.pairwise_distance(x[anchors[s:s + step]], x[cols[s:s + step]],
+                                               2.0, eps) for s in range(0, len(rows), step)])
+        best = d.new_full((len(several),), -math.inf if largest else math.inf)
+        best = best.scatter_reduce(0, rows, d, "amax" if largest else "amin")
+        first = torch.where(d == best[rows], cols, candidates.shape[1])
+        chosen[several] = torch.full_like(several, candidates.shape[1]).scatter_reduce(
+            0, rows, first, "amin")
+    return chosen
 
 
 def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
@@ -701,9 +710,9 @@ def _centred_rows(x: Tensor, p: float, eps: float):
     limit = torch.finfo(x.dtype).max / 64
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
-    centred = x.double()
-    centred = centred - centred.mean(0)
-    norms = centred.square().sum(1)
+    centred = x.to(torch.float64, copy=True)
+    centred -= centred.mean(0)
+    norms = torch.linalg.vector_norm(centred, dim=1).square()
     return (centred, norms) if bool((norms < limit).all()) else None
 
 
@@ -738,9 +747,9 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     own where their rounding could reach 2^-30 of the square (close pairs)."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    squares, sums = _gram_squares(x, *gram, start, stop, eps)
+    squares, shifted = _gram_squares(x, *gram, start, stop, eps)
     with torch.no_grad():
-        close = _gram_rounding(x.shape[1]) * sums >= squares * 2.0 ** -30
+        close = _gram_rounding(x.shape[1]) * (shifted[:, None] + gram[1]) >= squares * 2.0 ** -30
     rows, cols = close.nonzero(as_tuple=True)
     exact = torch.pairwise_distance(x[start + rows], x[cols], 2.0, eps)
     far = torch.where(close, 1.0, squares).sqrt().to(x.dtype)  # no root of 0 in the graph
@@ -825,9 +834,24 @@ def _mined_losses(embeddings: Tensor, labels: Tensor, mining: str, margin: float
         losses, active = _reference_batch_all(x, labels, margin, p, eps)
         return losses, active.sum()
     positive, negative, valid = _reference_batch_hard(x.detach(), labels, p, eps)
-    losses = triplet_margin_loss(x, x[positive], x[negative], margin=margin, p=p, eps=eps,
-                                 reduction="none")
+    if x.device.type == "cpu" and p == 2:  # on a GPU the backward's index_add has atomics
+        positive, negative = _chosen_pairwise(x, positive, negative, eps)
+        losses = (margin + positive - negative).clamp_min(0)  # torch's triplet_margin_loss
+    else:
+        losses = triplet_margin_loss(x, x[positive], x[negative], margin=margin, p=p, eps=eps,
+                                     reduction="none")
     return torch.where(valid, losses, 0.0), valid.sum()
+
+
+def _chosen_pairwise(x: Tensor, positive: Tensor, negative: Tensor, eps: float) -> tuple:
+    """torch's pairwise_distance (p = 2) from each row of x to its chosen positive and negative
+    row, differentiable through _HardestDistances (no batch x dim gathers in the graph)."""
+    with torch.no_grad():
+        d = torch.stack([torch.pairwise_distance(x, x.index_select(0, positive), 2.0, eps),
+                         torch.pairwise_distance(x, x.index_select(0, negative), 2.0, eps)])
+        scales = d.reciprocal().nan_to_num_(nan=math.nan, posinf=0.0)  # 0 at 0, as the norm's
+    return _HardestDistances.apply(x, d[0], d[1], torch.stack([positive, negative]), scales,
+                                   False, float(torch.tensor(eps, dtype=x.dtype)))
 
 
 class MinedTripletMarginLoss(torch.nn.Module):
@@ -1006,25 +1030,29 @@ class _HardestDistances(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: Tensor, positive: Tensor, negative: Tensor, chosen: Tensor,
-                scales: Tensor, cosine: bool) -> tuple:
+                scales: Tensor, cosine: bool, eps: float = 0.0) -> tuple:
         ctx.save_for_backward(rows, chosen, scales)
-        ctx.cosine = cosine
+        ctx.cosine, ctx.eps = cosine, eps
         return positive, negative
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, positive_grad: Tensor, negative_grad: Tensor):
         rows, chosen, scales = ctx.saved_tensors
-        weights = (scales * torch.stack([positive_grad, negative_grad, negative_grad])).unsqueeze(2)
-        picked = rows.index_select(0, chosen.reshape(-1)).view(*chosen.shape, -1)
+        grads = torch.stack([positive_grad, negative_grad, negative_grad][:len(chosen)])
+        weights = (scales * grads).unsqueeze(2)
+        picked = rows.index_select(0, chosen.reshape(-1)).view(*chosen.shape, rows.shape[1])
         if ctx.cosine:  # 1 - a.b: a gets -b, b gets -a (the sign is in scales)
             terms = weights * rows
             rows_grad = picked.mul_(weights).sum(0)
-        else:  # |a - b|: a gets (a - b) / d, b the opposite (1 / d is in scales)
-            terms = picked.sub_(rows).mul_(weights)
+        else:  # |a - b + eps|: a gets (a - b + eps) / d, b the opposite (1 / d is in scales)
+            terms = picked.sub_(rows)
+            if ctx.eps:
+                terms.sub_(ctx.eps)
+            terms.mul_(weights)
             rows_grad = terms.sum(0).neg_()
         rows_grad.index_add_(0, chosen.reshape(-1), terms.reshape(-1, rows.shape[1]))
-        return rows_grad, None, None, None, None, None
+        return rows_grad, None, None, None, None, None, None
 
 
 def _st_extremes(d: Tensor, labels: Tensor) -> tuple:

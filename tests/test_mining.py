@@ -308,6 +308,41 @@ def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps):
         assert_as_accurate_as_torch(got, theirs, want)
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("kind", ["plain", "duplicates", "tight classes", "one point", "nan row"])
+def test_batch_hard_gradient_on_cpu_as_accurate_as_torch_on_gathered_rows(kind, eps):
+    # CPU batch_hard's backward adds each anchor's terms to its chosen rows (index_add), not
+    # through gathered rows: against torch's autograd on x[positive], x[negative] and float64
+    x, labels = labelled_batch(64, 24, 6, seed=11)
+    if kind == "duplicates":
+        x[1::5] = x[0]
+    elif kind == "tight classes":
+        x = labelled_batch(6, 24, 1, seed=12)[0][labels] * 3 + 0.01 * x
+    elif kind == "one point":
+        x = torch.zeros_like(x)
+    elif kind == "nan row":
+        x[3, 2] = math.nan
+    weights = torch.rand(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    positive, negative, valid = ft._reference_batch_hard(x.float(), labels, 2.0, eps)
+
+    def losses_and_grad(losses_of, e):
+        leaf = e.clone().requires_grad_(True)
+        losses = losses_of(leaf)
+        (losses * weights.to(losses.dtype)).sum().backward()
+        return losses.detach(), leaf.grad
+
+    def gathered(e):
+        losses = torch.nn.functional.triplet_margin_loss(e, e[positive], e[negative], eps=eps,
+                                                         reduction="none")
+        return torch.where(valid, losses, 0.0)
+
+    ours = losses_and_grad(lambda e: ft.mined_triplet_margin_loss(
+        e, labels, "batch_hard", eps=eps, reduction="none"), x.float())
+    torch_float32, exact = (losses_and_grad(gathered, e) for e in (x.float(), x))
+    for got, theirs, want in zip(ours, torch_float32, exact):
+        assert_as_accurate_as_torch(got, theirs, want)
+
+
 @requires_cuda
 @pytest.mark.parametrize("mining,reduction", list(itertools.product(MININGS, REDUCTIONS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
