@@ -741,20 +741,50 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     return torch.where(valid, positive, anchors), torch.where(valid, negative, anchors), valid
 
 
+class _GramDistances(torch.autograd.Function):
+    """Rows start:stop of torch's pairwise_distance (p = 2) to every row from float64 Gram
+    products of the centred rows (_gram_squares), 0 at the close pairs (where the products'
+    rounding could reach 2^-30 of the square; returned as a mask). The backward: with V =
+    grad / d, sum_j V_ij (c_i - c_j + eps) to row i and its opposite to row j, as two products
+    with the centred rows in float64 (the centring's own gradient sums to 0: distances do not
+    move with a common shift)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
+                eps: float) -> tuple:
+        squares, shifted = _gram_squares(x, centred, norms, start, stop, eps)
+        close = _gram_rounding(x.shape[1]) * (shifted[:, None] + norms) >= squares * 2.0 ** -30
+        roots = squares.masked_fill_(close, 0.0).sqrt_()
+        ctx.save_for_backward(centred, roots, close)
+        ctx.start, ctx.eps, ctx.dtype = start, float(torch.tensor(eps, dtype=x.dtype)), x.dtype
+        ctx.mark_non_differentiable(close)
+        return roots.to(x.dtype), close
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor, _):
+        centred, roots, close = ctx.saved_tensors
+        weights = (grad.double() / roots).masked_fill_(close, 0.0)
+        anchors = centred[ctx.start:ctx.start + len(roots)]
+        by_row, by_column = weights.sum(1, keepdim=True), weights.sum(0).unsqueeze(1)
+        rows_grad = torch.addcmul(centred * by_column - weights.t() @ anchors, by_column,
+                                  centred.new_full((), -ctx.eps))
+        rows_grad[ctx.start:ctx.start + len(roots)] += (
+            anchors * by_row - weights @ centred + ctx.eps * by_row)
+        return rows_grad.to(ctx.dtype), None, None, None, None, None
+
+
 def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float) -> Tensor:
     """Rows start:stop of torch's pairwise_distance to every row, differentiable. With gram
-    (_centred_rows's): from float64 Gram products (no batch x batch x dim differences), torch's
-    own where their rounding could reach 2^-30 of the square (close pairs)."""
+    (_centred_rows's, without a graph): from float64 Gram products (no batch x batch x dim
+    differences), torch's own where their rounding could reach 2^-30 of the square (close
+    pairs)."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    squares, shifted = _gram_squares(x, *gram, start, stop, eps)
-    with torch.no_grad():
-        close = _gram_rounding(x.shape[1]) * (shifted[:, None] + gram[1]) >= squares * 2.0 ** -30
+    far, close = _GramDistances.apply(x, *gram, start, stop, eps)
     rows, cols = close.nonzero(as_tuple=True)
-    exact = torch.pairwise_distance(x[start + rows], x[cols], 2.0, eps)
-    far = torch.where(close, 1.0, squares).sqrt().to(x.dtype)  # no root of 0 in the graph
-    return torch.where(close, far.new_zeros(()).expand_as(far).index_put((rows, cols), exact),
-                       far)
+    return far.index_put((rows, cols), torch.pairwise_distance(x[start + rows], x[cols], 2.0,
+                                                               eps))
 
 
 def _batch_all_rows(x: Tensor, gram, labels: Tensor, start: int, stop: int, margin: float,
@@ -789,7 +819,7 @@ def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps
     instead of kept."""
     from torch.utils.checkpoint import checkpoint
 
-    gram = _centred_rows(x, p, eps) if x.dtype != torch.float64 else None
+    gram = _centred_rows(x.detach(), p, eps) if x.dtype != torch.float64 else None
     per_row = x.shape[0] * (4 if gram else x.shape[1])  # a chunk's float64 (rows, batch) tensors
     chunks = _row_chunks(x.shape[0], per_row)
     parts = [_batch_all_rows(x, gram, labels, start, stop, margin, p, eps)
