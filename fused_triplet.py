@@ -1052,11 +1052,12 @@ def _library_loss_on_the_op(x: Tensor, labels: Tensor, distance: int, margin: fl
 
 
 class _HardestDistances(torch.autograd.Function):
-    """sentence-transformers' hardest positive and negative distance per anchor, as found on the
-    distances computed without a graph. The backward is autograd's of the library's formula for
-    the entries (anchor, chosen) its max and min pass their gradient to, times `scales` (the
-    masks and the distance's derivative there): each one's gradient to its two rows, summed by
-    index_add in index order, not through batch x batch products."""
+    """The hardest positive and negative distance per anchor (sentence-transformers' or torch's
+    pairwise_distance with eps), as found on distances computed without a graph. The backward
+    is autograd's of the distance for the entries (anchor, chosen) that take the gradient (the
+    positive's, the negative's, and for sentence-transformers the row's largest), times
+    `scales` (the masks and the distance's derivative there): each one's gradient to its two
+    rows, summed by index_add in index order, not through gathers or batch x batch products."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, positive: Tensor, negative: Tensor, chosen: Tensor,
