@@ -633,13 +633,18 @@ def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
     return hit.int().argmax(1)
 
 
+def _torch_eps(eps: float, dtype: torch.dtype) -> float:
+    """eps as torch's pairwise_distance adds it to rows of dtype: rounded to it."""
+    return float(torch.tensor(eps, dtype=dtype))
+
+
 def _gram_squares(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
                   eps: float) -> tuple:
     """|x_i - x_j + eps|^2 of rows start:stop against every row, differentiable, from float64
     Gram products of the centred rows c (norms: their squared norms) as |c_i + eps|^2 + |c_j|^2
     - 2 c_i.c_j - 2 eps sum(c_j) (no rows x dim temporaries); and |c_i + eps|^2 of rows
     start:stop, whose sums with norms our roundings stay within _gram_rounding(dim) of."""
-    eps = float(torch.tensor(eps, dtype=x.dtype))  # torch's eps
+    eps = _torch_eps(eps, x.dtype)
     totals = centred.sum(1)
     shifted = norms[start:stop] + eps * (2 * totals[start:stop] + x.shape[1] * eps)
     squares = torch.addmm(norms - 2 * eps * totals, centred[start:stop], centred.t(), alpha=-2)
@@ -756,7 +761,7 @@ class _GramDistances(torch.autograd.Function):
         close = _gram_rounding(x.shape[1]) * (shifted[:, None] + norms) >= squares * 2.0 ** -30
         roots = squares.masked_fill_(close, 0.0).sqrt_()
         ctx.save_for_backward(centred, roots, close)
-        ctx.start, ctx.eps, ctx.dtype = start, float(torch.tensor(eps, dtype=x.dtype)), x.dtype
+        ctx.start, ctx.eps = start, _torch_eps(eps, x.dtype)
         ctx.mark_non_differentiable(close)
         return roots.to(x.dtype), close
 
@@ -767,11 +772,10 @@ class _GramDistances(torch.autograd.Function):
         weights = (grad.double() / roots).masked_fill_(close, 0.0)
         anchors = centred[ctx.start:ctx.start + len(roots)]
         by_row, by_column = weights.sum(1, keepdim=True), weights.sum(0).unsqueeze(1)
-        rows_grad = torch.addcmul(centred * by_column - weights.t() @ anchors, by_column,
-                                  centred.new_full((), -ctx.eps))
+        rows_grad = centred * by_column - weights.t() @ anchors - ctx.eps * by_column
         rows_grad[ctx.start:ctx.start + len(roots)] += (
             anchors * by_row - weights @ centred + ctx.eps * by_row)
-        return rows_grad.to(ctx.dtype), None, None, None, None, None
+        return rows_grad.to(grad.dtype), None, None, None, None, None
 
 
 def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float) -> Tensor:
@@ -881,7 +885,7 @@ def _chosen_pairwise(x: Tensor, positive: Tensor, negative: Tensor, eps: float) 
                          torch.pairwise_distance(x, x.index_select(0, negative), 2.0, eps)])
         scales = d.reciprocal().nan_to_num_(nan=math.nan, posinf=0.0)  # 0 at 0, as the norm's
     return _HardestDistances.apply(x, d[0], d[1], torch.stack([positive, negative]), scales,
-                                   False, float(torch.tensor(eps, dtype=x.dtype)))
+                                   False, _torch_eps(eps, x.dtype))
 
 
 class MinedTripletMarginLoss(torch.nn.Module):
