@@ -508,8 +508,8 @@ def few_anchors_against_float64(x, labels, mining, margin, few, weights):
     else:
         want = torch.zeros(len(x), dtype=torch.float64, device=x.device)
         for i in few:
-            want = want.index_put((torch.tensor([i], device=x.device),),
-                                  ft._batch_all_rows(leaf, labels, i, i + 1, margin, 2.0, 1e-6)[0])
+            mine = ft._batch_all_rows(leaf, None, labels, i, i + 1, margin, 2.0, 1e-6)[0]
+            want = want.index_put((torch.tensor([i], device=x.device),), mine)
     (want_grad,) = torch.autograd.grad((want * weights.double()).sum(), leaf)
     return losses, grad, want, want_grad
 
