@@ -749,7 +749,8 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
 class _GramDistances(torch.autograd.Function):
     """Rows start:stop of torch's pairwise_distance (p = 2) to every row from float64 Gram
     products of the centred rows (_gram_squares), 0 at the close pairs (where the products'
-    rounding could reach 2^-30 of the square; returned as a mask). The backward: with V =
+    rounding could reach 2^-30 of the square; returned as a mask, less the diagonal, whose
+    distances no loss reads). The backward: with V =
     grad / d, sum_j V_ij (c_i - c_j + eps) to row i and its opposite to row j, as two products
     with the centred rows in float64 (the centring's own gradient sums to 0: distances do not
     move with a common shift)."""
@@ -762,8 +763,10 @@ class _GramDistances(torch.autograd.Function):
         roots = squares.masked_fill_(close, 0.0).sqrt_()
         ctx.save_for_backward(centred, roots, close)
         ctx.start, ctx.eps = start, _torch_eps(eps, x.dtype)
-        ctx.mark_non_differentiable(close)
-        return roots.to(x.dtype), close
+        exact = close.clone()
+        exact.diagonal(start).fill_(False)
+        ctx.mark_non_differentiable(exact)
+        return roots.to(x.dtype), exact
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -782,11 +785,13 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     """Rows start:stop of torch's pairwise_distance to every row, differentiable. With gram
     (_centred_rows's, without a graph): from float64 Gram products (no batch x batch x dim
     differences), torch's own where their rounding could reach 2^-30 of the square (close
-    pairs)."""
+    pairs), an anchor's own distance 0."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
     far, close = _GramDistances.apply(x, *gram, start, stop, eps)
     rows, cols = close.nonzero(as_tuple=True)
+    if not len(rows):
+        return far
     return far.index_put((rows, cols), torch.pairwise_distance(x[start + rows], x[cols], 2.0,
                                                                eps))
 
