@@ -796,29 +796,54 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
                                                                eps))
 
 
+class _TripletSums(torch.autograd.Function):
+    """Per anchor row of d: the sum of relu(margin + d_ij - d_ik) over its triplets (positive j,
+    negative k) and how many are > 0. The negatives closer than margin + d_ij are a prefix of
+    the anchor's negatives sorted by distance, so each positive adds a count and a prefix sum:
+    O(B log B) an anchor, not B^2. The backward is the anchor's gradient times each entry's
+    count (a positive's negatives inside its margin; minus, for a negative, the positives whose
+    margin reaches past it). Rows with a distance that is not finite take every triplet one by
+    one (inf and NaN propagate as relu's value and derivative do)."""
+
+    @staticmethod
+    def forward(ctx, d: Tensor, is_positive: Tensor, is_negative: Tensor, margin: float) -> tuple:
+        negatives, order = torch.where(is_negative, d, math.inf).sort(1)  # the others last
+        thresholds = margin + d
+        counts = torch.searchsorted(negatives, thresholds).mul_(is_positive)  # negatives < it
+        prefix = torch.nn.functional.pad(negatives.cumsum(1), (1, 0))
+        losses = (counts * thresholds - prefix.gather(1, counts)).sum(1)  # 0 where counts are
+        active = counts.sum(1)
+        # the negative at sorted place r takes minus the positives whose count passes r
+        reached = torch.zeros_like(prefix, dtype=counts.dtype).scatter_add_(
+            1, counts, torch.ones_like(counts)).cumsum_(1)  # counts <= r
+        passing = torch.empty_like(counts).scatter_(1, order, d.shape[1] - reached[:, :-1])
+        weights = (counts - passing).to(d.dtype)
+        if not math.isfinite(d.sum()):  # rows with a distance that is not finite
+            finite = torch.where(is_positive | is_negative, d, 0.0).isfinite().all(1)
+            rows = (~finite).nonzero()[:, 0]
+            triplets = is_positive[rows, :, None] & is_negative[rows, None, :]
+            gaps = margin + d[rows, :, None] - d[rows, None, :]
+            each = torch.where(triplets, gaps.relu(), 0.0)
+            losses[rows], active[rows] = each.sum((1, 2)), (each > 0).sum((1, 2))
+            passes = triplets & ~(gaps <= 0)  # relu's derivative: NaN passes
+            weights[rows] = (passes.sum(2) - passes.sum(1)).to(d.dtype)
+        ctx.save_for_backward(weights)
+        ctx.mark_non_differentiable(active)
+        return losses, active
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor, _):
+        (weights,) = ctx.saved_tensors
+        return weights * grad[:, None], None, None, None
+
+
 def _batch_all_rows(x: Tensor, gram, labels: Tensor, start: int, stop: int, margin: float,
                     p: float, eps: float) -> tuple:
     """Anchors start:stop: each one's sum of relu(margin + d_ap - d_an) over its triplets, and
-    how many are > 0. The negatives closer than margin + d_ap are a prefix of the anchor's
-    negatives sorted by distance, so each positive adds a count and a prefix sum: O(B log B) an
-    anchor, not B^2. Rows with a distance that is not finite take every triplet one by one (inf
-    and NaN propagate as relu's do)."""
+    how many are > 0 (_TripletSums)."""
     d = _row_distances(x, gram, start, stop, p, eps)
-    is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
-    negatives = torch.where(is_negative, d, math.inf).sort(1).values  # the others last
-    thresholds = margin + d
-    counts = torch.searchsorted(negatives.detach(), thresholds.detach())  # negatives < threshold
-    counts = torch.where(is_positive, counts, 0)
-    prefix = torch.cat([negatives.new_zeros(d.shape[0], 1), negatives.cumsum(1)], 1)
-    sums = torch.where(is_positive, counts * thresholds - prefix.gather(1, counts), 0.0)
-    losses, active = sums.sum(1), counts.sum(1)
-    odd = ~torch.where(is_positive | is_negative, d, 0.0).isfinite().all(1)
-    if odd.any():
-        triplets = is_positive[odd, :, None] & is_negative[odd, None, :]
-        each = torch.where(triplets, (margin + d[odd, :, None] - d[odd, None, :]).relu(), 0.0)
-        losses = losses.index_put((odd.nonzero()[:, 0],), each.sum((1, 2)))
-        active = active.index_put((odd.nonzero()[:, 0],), (each > 0).sum((1, 2)))
-    return losses, active
+    return _TripletSums.apply(d, *_label_masks(labels[start:stop], labels, start), margin)
 
 
 def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps: float) -> tuple:

@@ -111,6 +111,15 @@ def test_batch_all_reference_with_duplicates_inf_and_nan():
                                            reduction=reduction)
         want = brute_force(x, labels, "batch_all", 0.5, 2.0, 0.0, reduction)
         torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=1e-12)
+    # the gradient too: relu's derivative lets NaN through, and the rows without one keep theirs
+    for dtype in (torch.float64, torch.float32):
+        grads = []
+        for loss in (ft.mined_triplet_margin_loss, brute_force):
+            leaf = x.to(dtype).requires_grad_(True)
+            per_anchor = loss(leaf, labels, "batch_all", 0.5, 2.0, 1e-6, "none")
+            (per_anchor * torch.arange(1.0, 15.0, dtype=dtype)).sum().backward()
+            grads.append(leaf.grad)
+        torch.testing.assert_close(*grads, equal_nan=True, rtol=1e-5, atol=1e-6)
     finite = ft.mined_triplet_margin_loss(x[8:], labels[8:], "batch_all", margin=0.5)
     torch.testing.assert_close(finite, brute_force(x[8:], labels[8:], "batch_all", 0.5, 2.0,
                                                    1e-6, "mean"), rtol=1e-12, atol=1e-12)
