@@ -568,6 +568,10 @@ class ModelNew(torch.nn.Module):
 _MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
 _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
+# batch^2 x dim below which CPU batch_all takes every difference in float64 (cdist): its few
+# operations cost less than the Gram products' dozens (2 cores: a step 0.79x at (16, 32), 0.91x
+# at (40, 128), even at (32, 256))
+_CPU_DIFFERENCES_BELOW = 1 << 18
 
 
 def _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction) -> None:
@@ -783,11 +787,15 @@ class _GramDistances(torch.autograd.Function):
 
 def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float) -> Tensor:
     """Rows start:stop of torch's pairwise_distance to every row, differentiable. With gram
-    (_centred_rows's, without a graph): from float64 Gram products (no batch x batch x dim
-    differences), torch's own where their rounding could reach 2^-30 of the square (close
-    pairs), an anchor's own distance 0."""
+    (_centred_rows's, without a graph): small batches' differences in float64, larger ones' from
+    float64 Gram products (no batch x batch x dim differences), torch's own where their rounding
+    could reach 2^-30 of the square (close pairs), an anchor's own distance 0."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
+    if x.shape[0] ** 2 * x.shape[1] < _CPU_DIFFERENCES_BELOW:
+        rows = x.double()  # float rows' differences are exact in float64
+        return torch.cdist(rows[start:stop] + _torch_eps(eps, x.dtype), rows,
+                           compute_mode="donot_use_mm_for_euclid_dist").to(x.dtype)
     far, close = _GramDistances.apply(x, *gram, start, stop, eps)
     rows, cols = close.nonzero(as_tuple=True)
     if not len(rows):

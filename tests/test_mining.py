@@ -285,14 +285,15 @@ def reference_loss(x, labels, mining, margin, reduction):
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
 
 
+@pytest.mark.parametrize("batch", [96, 24])
 @pytest.mark.parametrize("eps", [1e-6, 0.0])
 @pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes",
                                   "one point"])
-def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps):
-    # float32 rows on CPU: distances from float64 Gram products of centred rows, torch's own for
-    # close pairs (duplicates, distances of 0); per-anchor losses and the gradient of a weight
-    # per anchor
-    x, labels = labelled_batch(96, 48, 6, seed=9)
+def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, batch):
+    # float32 rows on CPU: 96 rows' distances from float64 Gram products of centred rows, torch's
+    # own for close pairs (duplicates, distances of 0); 24 rows' every difference in float64;
+    # per-anchor losses and the gradient of a weight per anchor
+    x, labels = labelled_batch(batch, 48, 6, seed=9)
     if kind == "duplicates":
         x[1::7] = x[0]
     elif kind == "far from the origin":
@@ -301,7 +302,7 @@ def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps):
         x = labelled_batch(6, 48, 1, seed=10)[0][labels] * 3 + 0.01 * x
     elif kind == "one point":
         x = torch.zeros_like(x)
-    weights = torch.rand(96, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    weights = torch.rand(batch, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     def losses_and_grad(losses_of, e):
         leaf = e.clone().requires_grad_(True)
