@@ -568,9 +568,9 @@ class ModelNew(torch.nn.Module):
 _MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
 _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
-# batch^2 x dim below which CPU batch_all takes every difference in float64 (cdist): its few
-# operations cost less than the Gram products' dozens (2 cores: a step 0.79x at (16, 32), 0.91x
-# at (40, 128), even at (32, 256))
+# batch^2 x dim below which CPU mining takes every difference (batch_all's in float64, batch_hard
+# torch's own) instead of Gram products: fewer operations (2 cores: batch_all 0.79x at (16, 32),
+# batch_hard 0.72-0.82x at (16, 32) to (40, 128)); from (40, 256) torch's temporaries cost 1.6x
 _CPU_DIFFERENCES_BELOW = 1 << 18
 
 
@@ -728,14 +728,15 @@ def _centred_rows(x: Tensor, p: float, eps: float):
 def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
     """(positive, negative, valid) per anchor by torch's pairwise_distance, one chunk of anchors
     at a time; the anchor itself where it has no positive or no negative. The distances only
-    where float64 Gram bounds leave the choice open where _centred_rows allows (else every
-    (anchor, row) difference: batch x batch x dim)."""
+    where float64 Gram bounds leave the choice open where _centred_rows allows and the batch
+    is not small (else every (anchor, row) difference: batch x batch x dim)."""
     batch = x.shape[0]
     positive = torch.empty(batch, dtype=torch.long, device=x.device)
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        gram = _centred_rows(x, p, eps)
+        small = batch ** 2 * x.shape[1] < _CPU_DIFFERENCES_BELOW  # torch's every difference
+        gram = None if small else _centred_rows(x, p, eps)
         for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
