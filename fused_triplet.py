@@ -574,6 +574,11 @@ _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor 
 _CPU_DIFFERENCES_BELOW = 1 << 18
 
 
+def _every_difference(x: Tensor) -> bool:
+    """Whether CPU mining takes every difference of this batch (_CPU_DIFFERENCES_BELOW)."""
+    return x.shape[0] ** 2 * x.shape[1] < _CPU_DIFFERENCES_BELOW
+
+
 def _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction) -> None:
     name = "mined_triplet_margin_loss"
     if not isinstance(embeddings, Tensor) or not isinstance(labels, Tensor):
@@ -735,8 +740,7 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        small = batch ** 2 * x.shape[1] < _CPU_DIFFERENCES_BELOW  # torch's every difference
-        gram = None if small else _centred_rows(x, p, eps)
+        gram = None if _every_difference(x) else _centred_rows(x, p, eps)
         for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
@@ -755,10 +759,9 @@ class _GramDistances(torch.autograd.Function):
     """Rows start:stop of torch's pairwise_distance (p = 2) to every row from float64 Gram
     products of the centred rows (_gram_squares), 0 at the close pairs (where the products'
     rounding could reach 2^-30 of the square; returned as a mask, less the diagonal, whose
-    distances no loss reads). The backward: with V =
-    grad / d, sum_j V_ij (c_i - c_j + eps) to row i and its opposite to row j, as two products
-    with the centred rows in float64 (the centring's own gradient sums to 0: distances do not
-    move with a common shift)."""
+    distances no loss reads). The backward: with V = grad / d, sum_j V_ij (c_i - c_j + eps) to
+    row i and its opposite to row j, as two products with the centred rows in float64 (the
+    centring's own gradient sums to 0: distances do not move with a common shift)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
@@ -793,7 +796,7 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     could reach 2^-30 of the square (close pairs), an anchor's own distance 0."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    if x.shape[0] ** 2 * x.shape[1] < _CPU_DIFFERENCES_BELOW:
+    if _every_difference(x):
         rows = x.double()  # float rows' differences are exact in float64
         return torch.cdist(rows[start:stop] + _torch_eps(eps, x.dtype), rows,
                            compute_mode="donot_use_mm_for_euclid_dist").to(x.dtype)
