@@ -127,12 +127,19 @@ def assert_like_theirs(ours, theirs, x):
 
 # ---- sentence-transformers ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("semi_hard_path", ["sorted", "pairs"])
 @pytest.mark.parametrize("dim", [16, 1024])
 @pytest.mark.parametrize("name,distance,kind",
                          list(itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)))
-def test_sentence_transformers_drop_ins(name, distance, kind, dim):
-    # 48 rows of 1024: the hard losses' torch path differentiates only the chosen distances
+def test_sentence_transformers_drop_ins(name, distance, kind, dim, semi_hard_path, monkeypatch):
+    # 48 rows of 1024: the hard losses' torch path differentiates only the chosen distances;
+    # semi-hard's rows sorted at 48 rows, and its pairs' rows gathered as past 64
     assert 48 ** 2 * 1024 >= ft._ST_CHOSEN_ENTRIES_FROM > 48 ** 2 * 16
+    assert 48 <= ft._ST_SORTED_SEMI_HARD_ROWS
+    if semi_hard_path == "pairs":
+        if name != "BatchSemiHardTripletLoss":
+            pytest.skip("one path: semi-hard alone has two")
+        monkeypatch.setattr(ft, "_ST_SORTED_SEMI_HARD_ROWS", 0)
     losses = st_losses()
     skip_where_the_library_overflows(losses, name, kind)
     x, labels = batch(kind, dim=dim)
@@ -366,6 +373,20 @@ def test_sentence_transformers_hard_drop_ins_spread_what_is_not_finite_as_theirs
                          getattr(losses, name)(None, distance_metric=metric)))
         torch.testing.assert_close(value_ours, value_theirs, equal_nan=True)
         torch.testing.assert_close(grad, their_grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_semi_hard_sorted_rows_spread_what_is_not_finite_as_the_pairs(value, monkeypatch):
+    # Semi-hard's two torch paths, a NaN or inf in a row (the libraries' versions part there):
+    # the same value and gradient, NaN where the other has it
+    x, labels = batch("duplicates", dim=64)
+    x[3, 5] = value
+    loss = ft.BatchSemiHardTripletLoss(None, margin=0.7)
+    sorted_rows = value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
+    monkeypatch.setattr(ft, "_ST_SORTED_SEMI_HARD_ROWS", 0)
+    pairs = value_and_grad(lambda e: loss.compute_loss_from_embeddings([e], labels), x)
+    for ours, other in zip(sorted_rows, pairs):
+        torch.testing.assert_close(ours, other, equal_nan=True, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dim", [16, 1024])
