@@ -127,18 +127,17 @@ def assert_like_theirs(ours, theirs, x):
 
 # ---- sentence-transformers ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("semi_hard_path", ["sorted", "pairs"])
 @pytest.mark.parametrize("dim", [16, 1024])
-@pytest.mark.parametrize("name,distance,kind",
-                         list(itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)))
-def test_sentence_transformers_drop_ins(name, distance, kind, dim, semi_hard_path, monkeypatch):
+@pytest.mark.parametrize(
+    "name,distance,kind,semi_hard_pairs",
+    [(*case, False) for case in itertools.product(ST_CLASSES, ST_DISTANCES, KINDS)] +
+    [("BatchSemiHardTripletLoss", *case, True) for case in itertools.product(ST_DISTANCES, KINDS)])
+def test_sentence_transformers_drop_ins(name, distance, kind, dim, semi_hard_pairs, monkeypatch):
     # 48 rows of 1024: the hard losses' torch path differentiates only the chosen distances;
-    # semi-hard's rows sorted at 48 rows, and its pairs' rows gathered as past 64
+    # semi-hard's rows sorted at 48 rows, or its pairs' rows gathered as past 64
     assert 48 ** 2 * 1024 >= ft._ST_CHOSEN_ENTRIES_FROM > 48 ** 2 * 16
     assert 48 <= ft._ST_SORTED_SEMI_HARD_ROWS
-    if semi_hard_path == "pairs":
-        if name != "BatchSemiHardTripletLoss":
-            pytest.skip("one path: semi-hard alone has two")
+    if semi_hard_pairs:
         monkeypatch.setattr(ft, "_ST_SORTED_SEMI_HARD_ROWS", 0)
     losses = st_losses()
     skip_where_the_library_overflows(losses, name, kind)
