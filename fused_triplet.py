@@ -720,10 +720,14 @@ def _centred_rows(x: Tensor, p: float, eps: float):
     """(x's rows in float64 less their mean, their squared norms) for distances from Gram
     products: on CPU (on a GPU the index lists of the pairs left open would sync), p = 2, rows
     and eps finite and well inside x's dtype's range (torch's sums of squares must not
-    overflow); else None."""
+    overflow); else None. A batch that takes every difference (_every_difference) reads no
+    products: (None, None) where its rows' range allows."""
     limit = torch.finfo(x.dtype).max / 64
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
+    if _every_difference(x):  # |a - b + eps|^2 <= dim (2 max |x| + eps)^2
+        reach = 2.0 * float(x.abs().amax()) + eps
+        return (None, None) if x.shape[1] * reach * reach < limit else None
     centred = x.to(torch.float64, copy=True)
     centred -= centred.mean(0)
     norms = torch.linalg.vector_norm(centred, dim=1).square()

@@ -290,13 +290,16 @@ def reference_loss(x, labels, mining, margin, reduction):
 @pytest.mark.parametrize("batch", [96, 24])
 @pytest.mark.parametrize("eps", [1e-6, 0.0])
 @pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes",
-                                  "one point"])
+                                  "one point", "near float's range"])
 def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, batch):
     # float32 rows on CPU: 96 rows' distances from float64 Gram products of centred rows, torch's
-    # own for close pairs (duplicates, distances of 0); 24 rows' every difference in float64;
-    # per-anchor losses and the gradient of a weight per anchor
+    # own for close pairs (duplicates, distances of 0); 24 rows' every difference in float64
+    # (torch's own where float32 sums of squares could overflow: near float's range); per-anchor
+    # losses and the gradient of a weight per anchor
     x, labels = labelled_batch(batch, 48, 6, seed=9)
-    if kind == "duplicates":
+    if kind == "near float's range":
+        x = x * 1e17
+    elif kind == "duplicates":
         x[1::7] = x[0]
     elif kind == "far from the origin":
         x = x + 300
