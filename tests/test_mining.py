@@ -115,7 +115,7 @@ def test_batch_all_reference_with_duplicates_inf_and_nan():
     for dtype in (torch.float64, torch.float32):
         grads = []
         for loss in (ft.mined_triplet_margin_loss, brute_force):
-            leaf = x.to(dtype).requires_grad_(True)
+            leaf = x.to(dtype, copy=True).requires_grad_(True)  # a leaf of its own each time
             per_anchor = loss(leaf, labels, "batch_all", 0.5, 2.0, 1e-6, "none")
             (per_anchor * torch.arange(1.0, 15.0, dtype=dtype)).sum().backward()
             grads.append(leaf.grad)
