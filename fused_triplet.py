@@ -23,6 +23,7 @@ goes to torch's own triplet_margin_loss.
 from __future__ import annotations
 
 import atexit
+import functools
 import glob
 import hashlib
 import inspect
@@ -639,9 +640,10 @@ def _first_extreme(d: Tensor, mask: Tensor, largest: bool) -> Tensor:
     masked = d.masked_fill(~mask, -math.inf if largest else math.inf)
     extreme = masked.amax(1, keepdim=True) if largest else masked.amin(1, keepdim=True)
     hit = mask & ((masked == extreme) | (masked.isnan() & extreme.isnan()))
-    return hit.int().argmax(1)
+    return hit.view(torch.uint8).argmax(1)  # the first hit
 
 
+@functools.lru_cache(maxsize=64)  # a tensor and its item each call otherwise
 def _torch_eps(eps: float, dtype: torch.dtype) -> float:
     """eps as torch's pairwise_distance adds it to rows of dtype: rounded to it."""
     return float(torch.tensor(eps, dtype=dtype))
@@ -682,26 +684,28 @@ def _squares_and_bounds(x: Tensor, centred: Tensor, norms: Tensor, start: int, s
     return squares, bound
 
 
-def _first_extremes(x: Tensor, start: int, candidates: Tensor, eps: float,
-                    largest: bool) -> Tensor:
-    """Per row of candidates (rows start:stop of x against every row), the first column holding
-    the largest (smallest) of torch's pairwise_distance (p = 2) among its candidates: a row's
-    only candidate as it is, the distances computed for rows with several (any column for a row
-    without one)."""
-    chosen = candidates.int().argmax(1)  # a row's first candidate
+def _first_extremes(x: Tensor, start: int, positives: Tensor, negatives: Tensor,
+                    eps: float) -> tuple:
+    """Per row of the candidate masks (rows start:stop of x against every row), the first column
+    holding the largest of torch's pairwise_distance (p = 2) among its positive candidates and
+    the smallest among its negative ones: a row's only candidate as it is, the distances
+    computed for rows with several (any column for a row without one)."""
+    candidates = torch.cat([positives, negatives])  # both at once: half the operations
+    chosen = candidates.view(torch.uint8).argmax(1)  # a row's first candidate, no copy
     several = (candidates.sum(1) > 1).nonzero()[:, 0]
     if len(several):
         rows, cols = candidates[several].nonzero(as_tuple=True)  # a row's columns ascending
-        anchors = several[rows] + start
+        places = several[rows]
+        anchors = places % len(positives) + start
         step = max(1, _REFERENCE_CHUNK_ELEMENTS // max(x.shape[1], 1))
         d = torch.cat([torch.pairwise_distance(x[anchors[s:s + step]], x[cols[s:s + step]],
                                                2.0, eps) for s in range(0, len(rows), step)])
-        best = d.new_full((len(several),), -math.inf if largest else math.inf)
-        best = best.scatter_reduce(0, rows, d, "amax" if largest else "amin")
+        d = torch.where(places < len(positives), d, -d)  # a smallest d is a largest -d
+        best = d.new_full((len(several),), -math.inf).scatter_reduce(0, rows, d, "amax")
         first = torch.where(d == best[rows], cols, candidates.shape[1])
         chosen[several] = torch.full_like(several, candidates.shape[1]).scatter_reduce(
             0, rows, first, "amin")
-    return chosen
+    return chosen[:len(positives)], chosen[len(positives):]
 
 
 def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
@@ -712,8 +716,8 @@ def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop
     lower, upper = squares - bound, squares.add_(bound)
     floor = torch.where(is_positive, lower, -math.inf).amax(1, keepdim=True)
     ceiling = torch.where(is_negative, upper, math.inf).amin(1, keepdim=True)
-    return (_first_extremes(x, start, is_positive & (upper >= floor), eps, largest=True),
-            _first_extremes(x, start, is_negative & (lower <= ceiling), eps, largest=False))
+    return _first_extremes(x, start, is_positive & (upper >= floor),
+                           is_negative & (lower <= ceiling), eps)
 
 
 def _centred_rows(x: Tensor, p: float, eps: float):
@@ -787,9 +791,11 @@ class _GramDistances(torch.autograd.Function):
         weights = (grad.double() / roots).masked_fill_(close, 0.0)
         anchors = centred[ctx.start:ctx.start + len(roots)]
         by_row, by_column = weights.sum(1, keepdim=True), weights.sum(0).unsqueeze(1)
-        rows_grad = centred * by_column - weights.t() @ anchors - ctx.eps * by_column
-        rows_grad[ctx.start:ctx.start + len(roots)] += (
-            anchors * by_row - weights @ centred + ctx.eps * by_row)
+        # in place: fewer batch x dim temporaries (each a page-faulting allocation on CPU)
+        rows_grad = torch.addmm(by_column * -ctx.eps, weights.t(), anchors, alpha=-1)
+        rows_grad.addcmul_(centred, by_column)
+        own = rows_grad[ctx.start:ctx.start + len(roots)]
+        own.addmm_(weights, centred, alpha=-1).addcmul_(anchors, by_row).add_(by_row * ctx.eps)
         return rows_grad.to(grad.dtype), None, None, None, None, None
 
 
@@ -915,23 +921,23 @@ def _mined_losses(embeddings: Tensor, labels: Tensor, mining: str, margin: float
         return losses, active.sum()
     positive, negative, valid = _reference_batch_hard(x.detach(), labels, p, eps)
     if x.device.type == "cpu" and p == 2:  # on a GPU the backward's index_add has atomics
-        positive, negative = _chosen_pairwise(x, positive, negative, eps)
-        losses = (margin + positive - negative).clamp_min(0)  # torch's triplet_margin_loss
-    else:
-        losses = triplet_margin_loss(x, x[positive], x[negative], margin=margin, p=p, eps=eps,
-                                     reduction="none")
+        return _hardest_hinges(x, positive, negative, valid, margin, eps), valid.sum()
+    losses = triplet_margin_loss(x, x[positive], x[negative], margin=margin, p=p, eps=eps,
+                                 reduction="none")
     return torch.where(valid, losses, 0.0), valid.sum()
 
 
-def _chosen_pairwise(x: Tensor, positive: Tensor, negative: Tensor, eps: float) -> tuple:
-    """torch's pairwise_distance (p = 2) from each row of x to its chosen positive and negative
-    row, differentiable through _HardestDistances (no batch x dim gathers in the graph)."""
+def _hardest_hinges(x: Tensor, positive: Tensor, negative: Tensor, valid: Tensor, margin: float,
+                    eps: float) -> Tensor:
+    """Per row of x torch's triplet_margin_loss (p = 2) with its chosen positive and negative
+    row, 0 where not valid, differentiable through _HardestHinges (no batch x dim gathers in
+    the graph)."""
     with torch.no_grad():
         d = torch.stack([torch.pairwise_distance(x, x.index_select(0, positive), 2.0, eps),
                          torch.pairwise_distance(x, x.index_select(0, negative), 2.0, eps)])
         scales = d.reciprocal().nan_to_num_(nan=math.nan, posinf=0.0)  # 0 at 0, as the norm's
-    return _HardestDistances.apply(x, d[0], d[1], torch.stack([positive, negative]), scales,
-                                   False, _torch_eps(eps, x.dtype))
+    return _HardestHinges.apply(x, d[0], d[1], torch.stack([positive, negative]), scales, valid,
+                                margin, _torch_eps(eps, x.dtype))
 
 
 class MinedTripletMarginLoss(torch.nn.Module):
@@ -1106,18 +1112,17 @@ def _library_loss_on_the_op(x: Tensor, labels: Tensor, distance: int, margin: fl
 
 
 class _HardestDistances(torch.autograd.Function):
-    """The hardest positive and negative distance per anchor (sentence-transformers' or torch's
-    pairwise_distance with eps), as found on distances computed without a graph. The backward
-    is autograd's of the distance for the entries (anchor, chosen) that take the gradient (the
-    positive's, the negative's, and for sentence-transformers the row's largest), times
-    `scales` (the masks and the distance's derivative there): each one's gradient to its two
-    rows, summed by index_add in index order, not through gathers or batch x batch products."""
+    """The hardest positive and negative distance per anchor (sentence-transformers'), as found
+    on distances computed without a graph. The backward is autograd's of the distance for the
+    entries (anchor, chosen) that take the gradient (the positive's, the negative's, and the
+    row's largest), times `scales` (the masks and the distance's derivative there), by
+    _chosen_rows_gradient."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, positive: Tensor, negative: Tensor, chosen: Tensor,
-                scales: Tensor, cosine: bool, eps: float = 0.0) -> tuple:
+                scales: Tensor, cosine: bool) -> tuple:
         ctx.save_for_backward(rows, chosen, scales)
-        ctx.cosine, ctx.eps = cosine, eps
+        ctx.cosine = cosine
         return positive, negative
 
     @staticmethod
@@ -1125,19 +1130,51 @@ class _HardestDistances(torch.autograd.Function):
     def backward(ctx, positive_grad: Tensor, negative_grad: Tensor):
         rows, chosen, scales = ctx.saved_tensors
         grads = torch.stack([positive_grad, negative_grad, negative_grad][:len(chosen)])
-        weights = (scales * grads).unsqueeze(2)
-        picked = rows.index_select(0, chosen.reshape(-1)).view(*chosen.shape, rows.shape[1])
-        if ctx.cosine:  # 1 - a.b: a gets -b, b gets -a (the sign is in scales)
-            terms = weights * rows
-            rows_grad = picked.mul_(weights).sum(0)
-        else:  # |a - b + eps|: a gets (a - b + eps) / d, b the opposite (1 / d is in scales)
-            terms = picked.sub_(rows)
-            if ctx.eps:
-                terms.sub_(ctx.eps)
-            terms.mul_(weights)
-            rows_grad = terms.sum(0).neg_()
-        rows_grad.index_add_(0, chosen.reshape(-1), terms.reshape(-1, rows.shape[1]))
-        return rows_grad, None, None, None, None, None, None
+        return (_chosen_rows_gradient(rows, chosen, scales * grads, ctx.cosine, 0.0),
+                None, None, None, None, None)
+
+
+class _HardestHinges(torch.autograd.Function):
+    """max(margin + positive - negative, 0) per row, 0 where not valid, of distances found
+    without a graph (_HardestDistances's, eps inside the norm), as one autograd node: the
+    gradient passes where the hinge's argument is >= 0 (clamp_min's) and the row is valid."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, positive: Tensor, negative: Tensor, chosen: Tensor,
+                scales: Tensor, valid: Tensor, margin: float, eps: float) -> Tensor:
+        gaps = margin + positive - negative
+        ctx.save_for_backward(rows, chosen, scales, valid & (gaps >= 0))
+        ctx.eps = eps
+        return torch.where(valid, gaps.clamp_min(0), 0.0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        rows, chosen, scales, passes = ctx.saved_tensors
+        passed = torch.where(passes, grad, 0.0)
+        weights = scales * torch.stack([passed, -passed])
+        return (_chosen_rows_gradient(rows, chosen, weights, False, ctx.eps),
+                None, None, None, None, None, None, None)
+
+
+def _chosen_rows_gradient(rows: Tensor, chosen: Tensor, weights: Tensor, cosine: bool,
+                          eps: float) -> Tensor:
+    """The gradient to rows of the distances d(row i, row chosen[k, i]) (weights[k, i]: the
+    upstream gradient times the distance's derivative factor): each entry's to its two rows,
+    summed by index_add in index order, not through gathers or batch x batch products."""
+    weights = weights.unsqueeze(2)
+    picked = rows.index_select(0, chosen.reshape(-1)).view(*chosen.shape, rows.shape[1])
+    if cosine:  # 1 - a.b: a gets -b, b gets -a (the sign is in weights)
+        terms = weights * rows
+        rows_grad = picked.mul_(weights).sum(0)
+    else:  # |a - b + eps|: a gets (a - b + eps) / d, b the opposite (1 / d is in weights)
+        terms = picked.sub_(rows)
+        if eps:
+            terms.sub_(eps)
+        terms.mul_(weights)
+        rows_grad = terms.sum(0).neg_()
+    rows_grad.index_add_(0, chosen.reshape(-1), terms.reshape(-1, rows.shape[1]))
+    return rows_grad
 
 
 def _st_extremes(d: Tensor, labels: Tensor) -> tuple:
