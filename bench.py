@@ -393,7 +393,7 @@ def bench_dropin(library, variant, batch, dim, rounds, warmup):
 
 # torch's path on CPU (CPU users, notebooks, CI): per shape, the mined losses against
 # pytorch-metric-learning's settings that equal them, every drop-in against the class it replaces.
-CPU_SHAPES = [(64, 128), (256, 512), (1024, 512)]
+CPU_SHAPES = [(32, 768), (64, 128), (256, 512), (1024, 512)]  # (32, 768): sentence-transformers
 CPU_CASES = ([("mined", m) for m in ("batch_hard", "batch_all")]
              + [(library, variant) for library, variant, batch, _ in DROPIN_CASES if batch == 1024])
 CPU_RESULTS = "results/cpu_mining.json"
