@@ -1135,9 +1135,9 @@ class _HardestDistances(torch.autograd.Function):
 
 
 class _HardestHinges(torch.autograd.Function):
-    """max(margin + positive - negative, 0) per row, 0 where not valid, of distances found
-    without a graph (_HardestDistances's, eps inside the norm), as one autograd node: the
-    gradient passes where the hinge's argument is >= 0 (clamp_min's) and the row is valid."""
+    """max(margin + positive - negative, 0) per row, 0 where not valid, of torch's distances
+    (eps inside the norm) found without a graph, as one autograd node: the gradient passes
+    where the hinge's argument is >= 0 (clamp_min's) and the row is valid."""
 
     @staticmethod
     def forward(ctx, rows: Tensor, positive: Tensor, negative: Tensor, chosen: Tensor,
