@@ -791,6 +791,10 @@ class _GramDistances(torch.autograd.Function):
         weights = (grad.double() / roots).masked_fill_(close, 0.0)
         anchors = centred[ctx.start:ctx.start + len(roots)]
         by_row, by_column = weights.sum(1, keepdim=True), weights.sum(0).unsqueeze(1)
+        if len(roots) == len(centred):  # the whole batch: one product, of V + V^T
+            rows_grad = torch.addmm((by_row - by_column) * ctx.eps, weights + weights.t(),
+                                    centred, alpha=-1)
+            return rows_grad.addcmul_(centred, by_row + by_column).to(grad.dtype), *[None] * 5
         # in place: fewer batch x dim temporaries (each a page-faulting allocation on CPU)
         rows_grad = torch.addmm(by_column * -ctx.eps, weights.t(), anchors, alpha=-1)
         rows_grad.addcmul_(centred, by_column)
