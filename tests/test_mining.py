@@ -162,6 +162,34 @@ def test_reference_chunks_give_the_same_result(mining, monkeypatch):
                                whole, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["8 a class", "uneven", "classes of one", "one class",
+                                    "one large class"])
+def test_batch_all_sums_over_the_positives_alone_equal_every_column(layout, monkeypatch):
+    # From _CPU_POSITIVES_SEARCHED_FROM columns the sums search only each row's positive columns
+    # (a topk of its mask, the rest of its k other columns): the same counts and weights as
+    # every column's search, the losses to float32 rounding (fewer zeros in the sums)
+    g = torch.Generator().manual_seed(len(layout))
+    batch = 40
+    labels = {"8 a class": torch.arange(batch) // 8,
+              "uneven": torch.randint(0, 6, (batch,), generator=g) ** 2,
+              "classes of one": torch.arange(batch),
+              "one class": torch.zeros(batch, dtype=torch.long),
+              "one large class": (torch.arange(batch) >= 8).long() * torch.arange(batch)}[layout]
+    d = torch.rand(batch, batch, generator=g)
+    d[3, 5] = d[3, 6] = d[3, 7]  # ties among a row's distances
+    masks = ft._label_masks(labels, labels, 0)
+    results = []
+    for searched_from in (0, batch + 1):  # the positives' columns alone, every column
+        monkeypatch.setattr(ft, "_CPU_POSITIVES_SEARCHED_FROM", searched_from)
+        leaf = d.clone().requires_grad_(True)
+        losses, active = ft._TripletSums.apply(leaf, *masks, 0.3)
+        (losses * torch.arange(1.0, batch + 1)).sum().backward()
+        results.append((losses.detach(), active, leaf.grad))
+    (losses, active, grad), (all_losses, all_active, all_grad) = results
+    assert torch.equal(active, all_active) and torch.equal(grad, all_grad)
+    torch.testing.assert_close(losses, all_losses, rtol=2e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("mining,reduction", list(itertools.product(MININGS, REDUCTIONS)))
 def test_gradcheck_float64(mining, reduction):
     x, labels = labelled_batch(10, 4, 3, seed=7)
@@ -287,13 +315,14 @@ def reference_loss(x, labels, mining, margin, reduction):
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
 
 
-@pytest.mark.parametrize("batch", [96, 24])
+@pytest.mark.parametrize("batch", [160, 96, 24])
 @pytest.mark.parametrize("eps", [1e-6, 0.0])
 @pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes",
                                   "one point", "near float's range"])
 def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, batch):
-    # float32 rows on CPU: 96 rows' distances from float64 Gram products of centred rows, torch's
-    # own for close pairs (duplicates, distances of 0); 24 rows' every difference in float64
+    # float32 rows on CPU: 96 and 160 rows' distances from float64 Gram products of centred rows
+    # (160: batch_all's sums over the positives' columns alone), torch's own for close pairs
+    # (duplicates, distances of 0); 24 rows' every difference in float64
     # (torch's own where float32 sums of squares could overflow: near float's range); per-anchor
     # losses and the gradient of a weight per anchor
     x, labels = labelled_batch(batch, 48, 6, seed=9)
