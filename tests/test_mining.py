@@ -883,6 +883,13 @@ def test_other_p_and_float64_take_the_reference_on_the_gpu():
         got = ft.mined_triplet_margin_loss(x, labels, mining, p=p)
         want = brute_force(x.cpu(), labels.cpu(), mining, 1.0, p, 1e-6, "mean")
         torch.testing.assert_close(got.cpu(), want)
+    # 160 rows: batch_all's sums over the positives' columns (topk of a mask) on the device
+    x, labels = labelled_batch(160, 8, 20, device="cuda")
+    for p in (1.0, 2.0):
+        torch.testing.assert_close(
+            ft.mined_triplet_margin_loss(x, labels, "batch_all", p=p, reduction="none").cpu(),
+            ft.mined_triplet_margin_loss(x.cpu(), labels.cpu(), "batch_all", p=p,
+                                         reduction="none"))
 
 
 @requires_cuda
