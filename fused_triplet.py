@@ -772,8 +772,9 @@ class _GramDistances(torch.autograd.Function):
     products of the centred rows (_gram_squares), 0 at the close pairs (where the products'
     rounding could reach 2^-30 of the square; returned as a mask, less the diagonal, whose
     distances no loss reads). The backward: with V = grad / d, sum_j V_ij (c_i - c_j + eps) to
-    row i and its opposite to row j, as two products with the centred rows in float64 (the
-    centring's own gradient sums to 0: distances do not move with a common shift)."""
+    row i and its opposite to row j, as two products with the centred rows in float64 (one, of
+    V + V^T, for the whole batch; the centring's own gradient sums to 0: distances do not move
+    with a common shift)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
@@ -798,7 +799,8 @@ class _GramDistances(torch.autograd.Function):
         if len(roots) == len(centred):  # the whole batch: one product, of V + V^T
             rows_grad = torch.addmm((by_row - by_column) * ctx.eps, weights + weights.t(),
                                     centred, alpha=-1)
-            return rows_grad.addcmul_(centred, by_row + by_column).to(grad.dtype), *[None] * 5
+            rows_grad.addcmul_(centred, by_row + by_column)
+            return rows_grad.to(grad.dtype), None, None, None, None, None
         # in place: fewer batch x dim temporaries (each a page-faulting allocation on CPU)
         rows_grad = torch.addmm(by_column * -ctx.eps, weights.t(), anchors, alpha=-1)
         rows_grad.addcmul_(centred, by_column)
