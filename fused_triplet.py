@@ -569,19 +569,23 @@ class ModelNew(torch.nn.Module):
 _MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
 _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
-# batch^2 x dim below which CPU mining takes every difference (batch_all's in float64, batch_hard
-# torch's own) instead of Gram products: fewer operations (2 cores: batch_all 0.79x at (16, 32),
-# batch_hard 0.72-0.82x at (16, 32) to (40, 128)); from (40, 256) torch's temporaries cost 1.6x
+# batch^2 x dim below which CPU mining takes every difference instead of Gram products: fewer
+# operations. batch_all's in float64 (2 cores: 0.79x at (16, 32)), up to 2^18 (float64
+# differences lose to the products from about 2^19); batch_hard's torch's own, up to 2^20
+# (0.81x at (32, 768), 0.90x at (48, 128) and (64, 256); 1.08x at (96, 128), 1.19x at (128,
+# 128): the products' operations grow slower than the differences)
 _CPU_DIFFERENCES_BELOW = 1 << 18
+_CPU_HARD_DIFFERENCES_BELOW = (1 << 20) + 1
 # batch_all's sums from this many columns search only the positives' thresholds (each row's
 # columns holding them, from a topk of the mask), not every column's: 0.72x the step at (1024,
 # 512), 0.80-0.86x at 256 rows, 0.96-0.97x at 128; the topk, sort and gathers cost 1.08x at 96
 _CPU_POSITIVES_SEARCHED_FROM = 128
 
 
-def _every_difference(x: Tensor) -> bool:
-    """Whether CPU mining takes every difference of this batch (_CPU_DIFFERENCES_BELOW)."""
-    return x.shape[0] ** 2 * x.shape[1] < _CPU_DIFFERENCES_BELOW
+def _every_difference(x: Tensor, below: int | None = None) -> bool:
+    """Whether CPU mining takes every difference of this batch (batch^2 x dim below `below`,
+    batch_all's _CPU_DIFFERENCES_BELOW by default)."""
+    return x.shape[0] ** 2 * x.shape[1] < (_CPU_DIFFERENCES_BELOW if below is None else below)
 
 
 def _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction) -> None:
@@ -623,8 +627,11 @@ def _row_chunks(batch: int, per_row: int):
 
 
 def _distances_from(x: Tensor, start: int, stop: int, p: float, eps: float) -> Tensor:
-    """torch's pairwise_distance of rows start:stop of x to every row: (stop - start, batch)."""
-    return torch.pairwise_distance(x[start:stop, None, :], x[None, :, :], p, eps)
+    """torch's pairwise_distance of rows start:stop of x to every row: (stop - start, batch),
+    its bits (its norm of x_i - x_j + eps) with eps added in place: one (rows, batch, dim)
+    temporary, not two (on CPU a second one past a few MiB is page-faulted in every call)."""
+    differences = x[start:stop, None, :] - x[None, :, :]
+    return torch.linalg.vector_norm(differences.add_(eps), p, dim=-1)
 
 
 def _label_masks(labels: Tensor, ref_labels: Tensor, first: int | None) -> tuple:
@@ -724,16 +731,16 @@ def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop
                            is_negative & (lower <= ceiling), eps)
 
 
-def _centred_rows(x: Tensor, p: float, eps: float):
+def _centred_rows(x: Tensor, p: float, eps: float, every_difference: bool = False):
     """(x's rows in float64 less their mean, their squared norms) for distances from Gram
     products: on CPU (on a GPU the index lists of the pairs left open would sync), p = 2, rows
     and eps finite and well inside x's dtype's range (torch's sums of squares must not
-    overflow); else None. A batch that takes every difference (_every_difference) reads no
-    products: (None, None) where its rows' range allows."""
+    overflow); else None. A batch that takes every difference (batch_all's _every_difference)
+    reads no products: (None, None) where its rows' range allows."""
     limit = torch.finfo(x.dtype).max / 64
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
-    if _every_difference(x):  # |a - b + eps|^2 <= dim (2 max |x| + eps)^2
+    if every_difference:  # |a - b + eps|^2 <= dim (2 max |x| + eps)^2
         reach = 2.0 * float(x.abs().amax()) + eps
         return (None, None) if x.shape[1] * reach * reach < limit else None
     centred = x.to(torch.float64, copy=True)
@@ -752,7 +759,8 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        gram = None if _every_difference(x) else _centred_rows(x, p, eps)
+        gram = (None if _every_difference(x, _CPU_HARD_DIFFERENCES_BELOW) else
+                _centred_rows(x, p, eps))
         for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
@@ -891,7 +899,8 @@ def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps
     instead of kept."""
     from torch.utils.checkpoint import checkpoint
 
-    gram = _centred_rows(x.detach(), p, eps) if x.dtype != torch.float64 else None
+    gram = (_centred_rows(x.detach(), p, eps, _every_difference(x))
+            if x.dtype != torch.float64 else None)
     per_row = x.shape[0] * (4 if gram else x.shape[1])  # a chunk's float64 (rows, batch) tensors
     chunks = _row_chunks(x.shape[0], per_row)
     parts = [_batch_all_rows(x, gram, labels, start, stop, margin, p, eps)

@@ -133,7 +133,7 @@ def test_batch_hard_from_bounds_chooses_as_every_distance(kind, dtype, eps, monk
     # On CPU batch_hard computes torch's distance only where float64 Gram bounds leave the
     # choice open: the same choice as from every (anchor, row) distance, ties to the first index
     # (the bounds at every size: small batches take every difference)
-    monkeypatch.setattr(ft, "_CPU_DIFFERENCES_BELOW", 0)
+    monkeypatch.setattr(ft, "_CPU_HARD_DIFFERENCES_BELOW", 0)
     x, labels = labelled_batch(300 if kind == "wide" else 60, 700 if kind == "wide" else 5, 4,
                                seed=len(kind))
     g = torch.Generator().manual_seed(len(kind))
@@ -142,7 +142,7 @@ def test_batch_hard_from_bounds_chooses_as_every_distance(kind, dtype, eps, monk
          "huge norms": x * 1e4 + 3e4, "tiny": x * 1e-7, "subnormal": grid * 1e-40,
          "one line": x[:, :1] * torch.ones(x.shape[1], dtype=torch.float64),
          "wide": grid}.get(kind, x).to(dtype)
-    d = ft._distances_from(x, 0, len(x), 2.0, eps)
+    d = torch.pairwise_distance(x[:, None, :], x[None, :, :], 2.0, eps)
     is_positive, is_negative = ft._label_masks(labels, labels, 0)
     valid = is_positive.any(1) & is_negative.any(1)
     anchors = torch.arange(len(x))
