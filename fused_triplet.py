@@ -570,12 +570,14 @@ _MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
 _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
 # batch^2 x dim below which CPU mining takes every difference instead of Gram products: fewer
-# operations. batch_all's in float64 (2 cores: 0.79x at (16, 32)), up to 2^18 (float64
-# differences lose to the products from about 2^19); batch_hard's torch's own, up to 2^20
-# (0.81x at (32, 768), 0.90x at (48, 128) and (64, 256); 1.08x at (96, 128), 1.19x at (128,
-# 128): the products' operations grow slower than the differences)
+# operations. batch_all's in float64 (2 cores: 0.79x at (16, 32)), below 2^18 (float64
+# differences lose to the products from about 2^19); batch_hard's torch's own, below 2^21 and
+# 80 rows (0.79x at (32, 768), 0.84-0.94x at (40, 768), (48, 512), (48, 768), (72, 256); 1.02x
+# at (64, 512), 1.53x at (64, 768); from 80 rows the products' bounds cost less: 1.08x at (96,
+# 128), 1.19x at (128, 128))
 _CPU_DIFFERENCES_BELOW = 1 << 18
-_CPU_HARD_DIFFERENCES_BELOW = (1 << 20) + 1
+_CPU_HARD_DIFFERENCES_BELOW = 1 << 21
+_CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
 # batch_all's sums from this many columns search only the positives' thresholds (each row's
 # columns holding them, from a topk of the mask), not every column's: 0.72x the step at (1024,
 # 512), 0.80-0.86x at 256 rows, 0.96-0.97x at 128; the topk, sort and gathers cost 1.08x at 96
@@ -759,8 +761,9 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        gram = (None if _every_difference(x, _CPU_HARD_DIFFERENCES_BELOW) else
-                _centred_rows(x, p, eps))
+        every = (batch < _CPU_HARD_DIFFERENCE_ROWS_BELOW
+                 and _every_difference(x, _CPU_HARD_DIFFERENCES_BELOW))
+        gram = None if every else _centred_rows(x, p, eps)
         for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
