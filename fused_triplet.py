@@ -584,10 +584,12 @@ _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
 _CPU_POSITIVES_SEARCHED_FROM = 128
 
 
-def _every_difference(x: Tensor, below: int | None = None) -> bool:
-    """Whether CPU mining takes every difference of this batch (batch^2 x dim below `below`,
-    batch_all's _CPU_DIFFERENCES_BELOW by default)."""
-    return x.shape[0] ** 2 * x.shape[1] < (_CPU_DIFFERENCES_BELOW if below is None else below)
+def _every_difference(x: Tensor, mining: str) -> bool:
+    """Whether CPU mining takes every difference of this batch (the thresholds above)."""
+    size = x.shape[0] ** 2 * x.shape[1]
+    if mining == "batch_hard":
+        return x.shape[0] < _CPU_HARD_DIFFERENCE_ROWS_BELOW and size < _CPU_HARD_DIFFERENCES_BELOW
+    return size < _CPU_DIFFERENCES_BELOW
 
 
 def _check_mining_inputs(embeddings, labels, mining, margin, p, eps, reduction) -> None:
@@ -737,7 +739,7 @@ def _centred_rows(x: Tensor, p: float, eps: float, every_difference: bool = Fals
     """(x's rows in float64 less their mean, their squared norms) for distances from Gram
     products: on CPU (on a GPU the index lists of the pairs left open would sync), p = 2, rows
     and eps finite and well inside x's dtype's range (torch's sums of squares must not
-    overflow); else None. A batch that takes every difference (batch_all's _every_difference)
+    overflow); else None. A batch_all batch that takes every difference (_every_difference)
     reads no products: (None, None) where its rows' range allows."""
     limit = torch.finfo(x.dtype).max / 64
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
@@ -761,9 +763,7 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
     negative = torch.empty_like(positive)
     valid = torch.empty(batch, dtype=torch.bool, device=x.device)
     with torch.no_grad():
-        every = (batch < _CPU_HARD_DIFFERENCE_ROWS_BELOW
-                 and _every_difference(x, _CPU_HARD_DIFFERENCES_BELOW))
-        gram = None if every else _centred_rows(x, p, eps)
+        gram = None if _every_difference(x, "batch_hard") else _centred_rows(x, p, eps)
         for start, stop in _row_chunks(batch, batch if gram else batch * x.shape[1]):
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
@@ -827,7 +827,7 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     could reach 2^-30 of the square (close pairs), an anchor's own distance 0."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    if _every_difference(x):
+    if _every_difference(x, "batch_all"):
         rows = x.double()  # float rows' differences are exact in float64
         return torch.cdist(rows[start:stop] + _torch_eps(eps, x.dtype), rows,
                            compute_mode="donot_use_mm_for_euclid_dist").to(x.dtype)
@@ -902,7 +902,7 @@ def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps
     instead of kept."""
     from torch.utils.checkpoint import checkpoint
 
-    gram = (_centred_rows(x.detach(), p, eps, _every_difference(x))
+    gram = (_centred_rows(x.detach(), p, eps, _every_difference(x, "batch_all"))
             if x.dtype != torch.float64 else None)
     per_row = x.shape[0] * (4 if gram else x.shape[1])  # a chunk's float64 (rows, batch) tensors
     chunks = _row_chunks(x.shape[0], per_row)

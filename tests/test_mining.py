@@ -322,9 +322,9 @@ def reference_loss(x, labels, mining, margin, reduction):
 def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, batch):
     # float32 rows on CPU: 96 and 160 rows' distances from float64 Gram products of centred rows
     # (160: batch_all's sums over the positives' columns alone), torch's own for close pairs
-    # (duplicates, distances of 0); 24 rows' every difference in float64
-    # (torch's own where float32 sums of squares could overflow: near float's range); per-anchor
-    # losses and the gradient of a weight per anchor
+    # (duplicates, distances of 0); 24 rows' every difference in float64 (torch's own where
+    # float32 sums of squares could overflow: near float's range); per-anchor losses and the
+    # gradient of a weight per anchor
     x, labels = labelled_batch(batch, 48, 6, seed=9)
     if kind == "near float's range":
         x = x * 1e17
