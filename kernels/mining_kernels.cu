@@ -357,10 +357,10 @@ __global__ void __launch_bounds__(kRowThreads)
 // 16-byte groups where rows are aligned (first_negative_group's), the class's columns strided
 // over the block.
 struct RowScan {
-  // Negatives: the smallest t, its column and the runner-up (t alone: the spreads wait for the
-  // few columns that can matter).
-  float bottom = INFINITY, next_bottom = INFINITY;
-  int bottom_column = -1;
+  // Negatives: the two smallest t and their columns, and the third smallest (t alone: the
+  // spreads wait for the few columns that can matter).
+  float bottom = INFINITY, next_bottom = INFINITY, third_bottom = INFINITY;
+  int bottom_column = -1, next_bottom_column = -1;
   // Positives: the largest lower t, and the largest upper t, its column and the runner-up.
   float floor = -INFINITY, top = -INFINITY, next_top = -INFINITY;
   int top_column = -1;
@@ -408,8 +408,14 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
       if (first >= batch) continue;
       const auto negative = [&](int j) {
         const float t = fmaf(-2.f, products[g * kVector + j], centres[g * kVector + j]);
-        scan.bottom_column = t < scan.bottom ? int(first) + j : scan.bottom_column;
-        scan.next_bottom = fminf(scan.next_bottom, fmaxf(scan.bottom, t));
+        const bool below_bottom = t < scan.bottom, below_next = t < scan.next_bottom;
+        // a NaN t leaves the columns and pulls the third down to the second: more walks
+        scan.third_bottom = fminf(scan.third_bottom, fmaxf(scan.next_bottom, t));
+        scan.next_bottom_column = below_bottom ? scan.bottom_column
+                                  : below_next ? int(first) + j
+                                               : scan.next_bottom_column;
+        scan.next_bottom = below_bottom ? scan.bottom : fminf(scan.next_bottom, t);
+        scan.bottom_column = below_bottom ? int(first) + j : scan.bottom_column;
         scan.bottom = fminf(scan.bottom, t);
       };
       // Only a group that meets the anchor's class tests each column: the others (nearly all)
@@ -444,11 +450,11 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
 // on t = centre - 2 gram (d^2's interval is the anchor's term + t +- the column's spread, rounding
 // monotone in t). First the bounds (scan_row_bounds): a lower bound of the row's largest positive
 // squared distance; an upper bound of its smallest negative one, the least upper end of the
-// threads' best negatives; each thread's most promising positive and negative column, and its
-// runner-up's bound (for negatives with the thread's widest spread). A column whose interval can
-// beat the row's bound is a candidate and gets its exact distance from the whole warp: the true
-// extreme always is one, so it is always decided exactly. Threads whose runner-up can be a
-// candidate too (or that saw a bound that is not finite) walk those columns again. The warps
+// threads' best negatives; each thread's most promising positive column and two negative ones,
+// and the bound of the next (for negatives with the thread's widest spread). A column whose
+// interval can beat the row's bound is a candidate and gets its exact distance from the whole
+// warp: the true extreme always is one, so it is always decided exactly. Threads whose next can
+// be a candidate too (or that saw a bound that is not finite) walk those columns again. The warps
 // then combine picks. One body past 100 lines: its passes share the row's bounds and each
 // thread's picks in registers, which a split would send through memory.
 template <int kVector, typename T>
@@ -459,7 +465,7 @@ __global__ void __launch_bounds__(kRowThreads)
   constexpr int kWarps = kRowThreads / 32;
   __shared__ float warp_floors[kWarps], warp_ceilings[kWarps];
   __shared__ Pick warp_positives[kWarps], warp_negatives[kWarps];
-  __shared__ int listed_counts[2][kWarps], listed[2 * kRowThreads];
+  __shared__ int listed_counts[3][kWarps], listed[3 * kRowThreads];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t row = blockIdx.x, me = chunk.first + row, batch = chunk.batch;
   const int64_t class_first = classes[2 * me], class_last = classes[2 * me + 1];
@@ -492,9 +498,9 @@ __global__ void __launch_bounds__(kRowThreads)
   const auto as_upper = [&](float t) { return t > -INFINITY ? mine.y + t : -INFINITY; };
   top = as_upper(top), next_top = as_upper(next_top);
   const float bottom = mine.x + (scan.bottom - bottom_spread);
-  // the least lower end any of the thread's other negatives can have
+  // the least lower end any of the thread's negatives past its two smallest can have
   // (NaN, so a walk, where the thread's spreads are not finite)
-  const float beyond = mine.x + (scan.next_bottom - bounds.thread_spreads[threadIdx.x]);
+  const float beyond = mine.x + (scan.third_bottom - bounds.thread_spreads[threadIdx.x]);
   const bool walks_positives = odd_anchor || !(fabsf(positive_spans) < INFINITY) ||
                                (next_top > -INFINITY && next_top >= floor);
   const bool walks_negatives = odd_anchor || !(beyond > ceiling);
@@ -520,18 +526,23 @@ __global__ void __launch_bounds__(kRowThreads)
       decide(__shfl_sync(0xffffffffu, c, __ffs(found) - 1), is_positive);
     }
   };
-  // The threads that do not walk: their one positive and one negative candidate at most, listed
-  // for the block, each warp deciding every kWarps-th (the class's columns, all in the first
-  // warps, would queue their decisions there).
+  // The threads that do not walk: their one positive and two negative candidates at most,
+  // listed for the block, each warp deciding every kWarps-th (the class's columns, all in the
+  // first warps, would queue their decisions there).
   const bool lists_positive = !walks_positives && top_column >= 0 && top >= floor;
   const bool lists_negative =
       !walks_negatives && bottom_column >= 0 && !(bottom > ceiling);
-  const BlockPlaces<2> places =
-      block_places<kRowThreads>({lists_positive, lists_negative}, listed_counts);
+  const int next_column = scan.next_bottom_column;
+  const bool lists_next_negative =
+      !walks_negatives && next_column >= 0 &&
+      !(mine.x + (scan.next_bottom - bounds.spreads[next_column]) > ceiling);
+  const BlockPlaces<3> places = block_places<kRowThreads>(
+      {lists_positive, lists_negative, lists_next_negative}, listed_counts);
   if (lists_positive) listed[places.at[0]] = int(top_column);
   if (lists_negative) listed[places.at[1]] = int(bottom_column);
+  if (lists_next_negative) listed[places.at[2]] = next_column;
   __syncthreads();
-  for (int k = warp; k < places.starts[2]; k += kWarps) decide(listed[k], k < places.starts[1]);
+  for (int k = warp; k < places.starts[3]; k += kWarps) decide(listed[k], k < places.starts[1]);
   // The walking threads' columns again, a warp in step; a NaN interval is always a candidate.
   const auto interval = [&](int64_t c) {
     const float t = fmaf(-2.f, __bfloat162float(gram_row[c]), bounds.centres[c]);
