@@ -9,7 +9,7 @@
 //   centred_rows_kernel, gram_distances_kernel
 //                         batch_all, larger batches: the rows less their mean, and distances from
 //                         their float Gram products, exact where those are not accurate enough.
-//   label_ranks_kernel, label_order_kernel
+//   label_tiles_kernel, label_order_kernel
 //                         batch_hard, large batches: the rows' order sorted by label (stable).
 //   hard_loss_kernel      batch_hard: per anchor its hardest positive and negative (from the
 //                         distances, or as hardest_kernel chose them), their distances in
@@ -116,13 +116,12 @@ constexpr int kColumnSlots = 8;     // ... a column's nonzeros listed per round 
 // columns and slice fills the GPU at every batch), then the slices in order: deterministic, and
 // no scratch beyond [64, dim] doubles (torch's mean took 16 MiB at (4096, 512)).
 constexpr int kMeanSlices = 64;
-// batch_hard's label order up to 16384 rows by counting, for each row, the labels before it
-// (batch^2 compares, two launches): at::sort of int64 labels is 8 radix passes, about 0.2 ms of
-// host launches before the first product (the grouping alone, step with the host: 0.86x the
-// sort's at 4096 rows, 0.92x at 16384); above, the compares cost more (1.06x at 32768).
-constexpr int64_t kRankLabelRows = 16384;
-constexpr int kRankSlices = 32;       // ... the columns split 32 ways (a few blocks an SM)
-constexpr int kRankRowsPerThread = 4;  // ... each staged label compared with 4 rows'
+// batch_hard's label order on the device at any batch, two launches: tiles of 2048 rows sorted
+// in shared memory (24 KiB, a block of 1024 threads), then each row's place by binary searches
+// of the other tiles. Against counting every pair of labels (batch^2 compares: 117 us at 16384
+// rows) and at::sort of int64 labels (8 radix passes, about 20 launches of host work).
+constexpr int kLabelTile = 2048;
+constexpr int kLabelThreads = 1024;
 constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kernel's tile
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
 // rounded to bfloat16: 2 (x~_i . r_c + r_i . x_c) + accumulation, at most
@@ -172,8 +171,7 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
                                                  kGradientMmaTiles;
   plan.mean_slices = kMeanSlices;
-  plan.rank_labels = batch <= kRankLabelRows;
-  plan.rank_slices = kRankSlices;
+  plan.rank_labels = true;
   return plan;
 }
 
@@ -687,53 +685,65 @@ __global__ void column_means_kernel(const double* partials, int slices, int64_t 
   mean[column] = float(sum / double(batch));
 }
 
-// batch_hard's label order, first per slice of columns: for each row, how many of the slice's
-// rows come before it in the stable order (a smaller label, or the same at a smaller index).
-// kRankRowsPerThread rows a thread, the slice's labels staged through shared memory. ahead:
-// [slices, batch] int32.
-__global__ void __launch_bounds__(kRowThreads)
-    label_ranks_kernel(const int64_t* labels, int64_t batch, int32_t* ahead) {
-  constexpr int kRows = kRankRowsPerThread;
-  __shared__ int64_t staged[kRowThreads];
-  const int64_t slice_columns = (batch + gridDim.y - 1) / gridDim.y;
-  const int64_t from = int64_t(blockIdx.y) * slice_columns;
-  const int64_t to = std::min(batch, from + slice_columns);
-  int64_t row[kRows], mine[kRows];
-  int32_t count[kRows];
-#pragma unroll
-  for (int u = 0; u < kRows; ++u) {
-    row[u] = (int64_t(blockIdx.x) * kRows + u) * kRowThreads + threadIdx.x;
-    mine[u] = row[u] < batch ? labels[row[u]] : 0;
-    count[u] = 0;
+// batch_hard's label order, first per tile of kLabelTile rows: the tile's (label, row) pairs
+// sorted in shared memory (bitonic; the rows are unique, so the order is total: stable by row).
+// Past the batch's end the pairs are (int64 max, int32 max), after every real one.
+__global__ void __launch_bounds__(kLabelThreads)
+    label_tiles_kernel(const int64_t* labels, int64_t batch, int64_t* tile_labels,
+                       int32_t* tile_rows) {
+  __shared__ int64_t keys[kLabelTile];
+  __shared__ int32_t rows[kLabelTile];
+  const int64_t first = int64_t(blockIdx.x) * kLabelTile;
+  for (int i = threadIdx.x; i < kLabelTile; i += kLabelThreads) {
+    const bool real = first + i < batch;
+    keys[i] = real ? labels[first + i] : INT64_MAX;
+    rows[i] = real ? int32_t(first + i) : INT32_MAX;
   }
-  for (int64_t base = from; base < to; base += kRowThreads) {
-    __syncthreads();  // the last tile's labels read by every thread
-    if (base + threadIdx.x < to) staged[threadIdx.x] = labels[base + threadIdx.x];
-    __syncthreads();
-    const int staged_count = int(std::min<int64_t>(kRowThreads, to - base));
-    for (int j = 0; j < staged_count; ++j) {
-      const int64_t label = staged[j];
-#pragma unroll
-      for (int u = 0; u < kRows; ++u) {
-        count[u] += label < mine[u] || (label == mine[u] && base + j < row[u]);
+  for (int size = 2; size <= kLabelTile; size *= 2) {
+    for (int stride = size / 2; stride > 0; stride /= 2) {
+      __syncthreads();
+      for (int pair = threadIdx.x; pair < kLabelTile / 2; pair += kLabelThreads) {
+        const int i = 2 * pair - (pair & (stride - 1)), j = i + stride;  // i's stride bit clear
+        const bool after = keys[i] > keys[j] || (keys[i] == keys[j] && rows[i] > rows[j]);
+        if (after == ((i & size) == 0)) {  // out of this run's direction: swap
+          const int64_t key = keys[i];
+          const int32_t row = rows[i];
+          keys[i] = keys[j], rows[i] = rows[j];
+          keys[j] = key, rows[j] = row;
+        }
       }
     }
   }
-#pragma unroll
-  for (int u = 0; u < kRows; ++u) {
-    if (row[u] < batch) ahead[int64_t(blockIdx.y) * batch + row[u]] = count[u];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kLabelTile && first + i < batch; i += kLabelThreads) {
+    tile_labels[first + i] = keys[i];
+    tile_rows[first + i] = rows[i];
   }
 }
 
-// ... then a thread per row adds its slices' counts: its place in the stable order.
-__global__ void label_order_kernel(const int64_t* labels, const int32_t* ahead, int slices,
-                                   int64_t batch, int64_t* sorted_labels, int64_t* order) {
-  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (row >= batch) return;
-  int64_t place = 0;
-  for (int s = 0; s < slices; ++s) place += ahead[s * batch + row];
-  order[place] = row;
-  sorted_labels[place] = labels[row];
+// ... then a thread per pair: its place in the stable order is its place in its tile plus, in
+// every other tile (a binary search), the rows before it: an earlier tile's rows come first at
+// an equal label, a later tile's after.
+__global__ void __launch_bounds__(kRowThreads)
+    label_order_kernel(const int64_t* tile_labels, const int32_t* tile_rows, int64_t batch,
+                       int64_t* sorted_labels, int64_t* order) {
+  const int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (s >= batch) return;
+  const int64_t my_tile = s / kLabelTile, label = tile_labels[s];
+  int64_t place = s - my_tile * kLabelTile;
+  for (int64_t tile = 0; tile * kLabelTile < batch; ++tile) {
+    if (tile == my_tile) continue;
+    const int64_t* keys = tile_labels + tile * kLabelTile;
+    const bool equal_before = tile < my_tile;
+    int64_t lo = 0, hi = std::min<int64_t>(kLabelTile, batch - tile * kLabelTile);
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (equal_before ? keys[mid] <= label : keys[mid] < label) lo = mid + 1; else hi = mid;
+    }
+    place += lo;
+  }
+  order[place] = tile_rows[s];
+  sorted_labels[place] = label;
 }
 
 // A warp per row: x~ = x - mean (float, the Gram products' rows) and its terms (|x~|^2, sum x~),
@@ -1867,18 +1877,16 @@ cudaError_t launch_column_means(const void* x, DType dtype, int64_t batch, int64
   return cudaGetLastError();
 }
 
-cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
-                               int32_t* ahead, int64_t* sorted_labels, int64_t* order,
+cudaError_t launch_label_order(const int64_t* labels, int64_t batch, int64_t* tile_labels,
+                               int32_t* tile_rows, int64_t* sorted_labels, int64_t* order,
                                cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
-  const int64_t rows_per_block = int64_t(kRowThreads) * kRankRowsPerThread;
-  label_ranks_kernel<<<dim3(unsigned((batch + rows_per_block - 1) / rows_per_block),
-                            plan.rank_slices),
-                       kRowThreads, 0, stream>>>(labels, batch, ahead);
+  label_tiles_kernel<<<unsigned((batch + kLabelTile - 1) / kLabelTile), kLabelThreads, 0,
+                       stream>>>(labels, batch, tile_labels, tile_rows);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   label_order_kernel<<<(batch + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
-      labels, ahead, plan.rank_slices, batch, sorted_labels, order);
+      tile_labels, tile_rows, batch, sorted_labels, order);
   return cudaGetLastError();
 }
 

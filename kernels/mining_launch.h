@@ -56,8 +56,7 @@ struct MiningPlan {
   bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
   bool sparse_gradient;   // past the whole batch: the chunks' weights read for their nonzeros
   int mean_slices;        // the Gram products' centre: slices of rows summed apart
-  bool rank_labels;       // batch_hard's label order by counting compares (else at::sort)
-  int rank_slices;        // ... the columns split this many ways
+  bool rank_labels;       // batch_hard's label order by sorted tiles on the device (else at::sort)
 };
 
 // cc_major: the device's compute capability; input_bytes: the embeddings' bytes as given;
@@ -129,10 +128,10 @@ cudaError_t launch_column_means(const void* x, DType dtype, int64_t batch, int64
                                 cudaStream_t stream);
 
 // batch_hard's label order where plan.rank_labels: sorted_labels and order [batch] int64 as
-// labels.sort(stable) gives them (values, indices); ahead: [plan.rank_slices, batch] int32
-// scratch (batch < 2^31).
-cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
-                               int32_t* ahead, int64_t* sorted_labels, int64_t* order,
+// labels.sort(stable) gives them (values, indices); tile_labels [batch] int64 and tile_rows
+// [batch] int32 scratch (batch < 2^31).
+cudaError_t launch_label_order(const int64_t* labels, int64_t batch, int64_t* tile_labels,
+                               int32_t* tile_rows, int64_t* sorted_labels, int64_t* order,
                                cudaStream_t stream);
 
 // The Gram products' rows: centred [batch, dim] float = x - mean ([dim] float) and terms

@@ -308,10 +308,12 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
   if (plan.rank_labels) {
     sorted_labels = at::empty_like(call.labels);
     order = at::empty_like(call.labels);
-    const at::Tensor ahead =
-        at::empty({plan.rank_slices, batch}, call.labels.options().dtype(at::kInt));
-    C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch, plan,
-                                      ahead.data_ptr<int32_t>(), sorted_labels.data_ptr<int64_t>(),
+    const at::Tensor tile_labels = at::empty_like(call.labels);
+    const at::Tensor tile_rows = at::empty({batch}, call.labels.options().dtype(at::kInt));
+    C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch,
+                                      tile_labels.data_ptr<int64_t>(),
+                                      tile_rows.data_ptr<int32_t>(),
+                                      sorted_labels.data_ptr<int64_t>(),
                                       order.data_ptr<int64_t>(), call.stream));
   } else {
     std::tie(sorted_labels, order) = call.labels.sort(/*stable=*/true, 0, false);

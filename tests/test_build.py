@@ -124,7 +124,7 @@ def test_few_kernels_no_spills_and_no_stack(build_log):
               "hard_loss_kernel", "hard_gradient_kernel", "hard_gradient_sorted_kernel",
               "all_gradient_kernel",
               "all_gradient_mma_kernel", "mined_total_kernel", "unit_rows", "centred_rows_kernel",
-              "column_sums_kernel", "column_means_kernel", "label_ranks_kernel",
+              "column_sums_kernel", "column_means_kernel", "label_tiles_kernel",
               "label_order_kernel", "sparse_rows_gradient_kernel",
               "sparse_columns_gradient_kernel", "thread_spreads_kernel")
     for arch in archs:

@@ -423,7 +423,7 @@ def fused_picks(x, labels, eps=1e-6):
 
 
 def sorted_mining(rank_labels):
-    """The Gram products' mining alone, the labels ordered by counting (rank_labels) or by
+    """The Gram products' mining alone, the labels ordered by sorted tiles (rank_labels) or by
     at::sort, at any batch."""
     return lambda x, labels, eps: ft._internal_ops().mine_batch_hard(x, labels, eps, rank_labels)
 
@@ -461,10 +461,10 @@ def test_batch_hard_mines_rows_of_mixed_lengths(batch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("batch", [3, 1000, 3001])
+@pytest.mark.parametrize("batch", [3, 1000, 3001, 9000])
 def test_batch_hard_orders_labels_of_any_value(batch):
-    # The Gram mining's label order, by counting and by at::sort: int64's extremes, negative and
-    # huge labels, classes of one, a batch not a multiple of a block's rows.
+    # The Gram mining's label order, by sorted tiles of 2048 and by at::sort: int64's extremes,
+    # negative and huge labels, classes of one and across tiles, a batch not a multiple of a tile.
     g = torch.Generator().manual_seed(batch)
     values = torch.tensor([-2**63, -2**40, -1, 0, 7, 2**33, 2**62, 2**63 - 1])
     labels = values[torch.randint(0, len(values), (batch,), generator=g)]
