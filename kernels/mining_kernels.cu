@@ -117,9 +117,10 @@ constexpr int kColumnSlots = 8;     // ... a column's nonzeros listed per round 
 // no scratch beyond [64, dim] doubles (torch's mean took 16 MiB at (4096, 512)).
 constexpr int kMeanSlices = 64;
 // batch_hard's label order on the device at any batch, two launches: tiles of 2048 rows sorted
-// in shared memory (24 KiB, a block of 1024 threads), then each row's place by binary searches
-// of the other tiles. Against counting every pair of labels (batch^2 compares: 117 us at 16384
-// rows) and at::sort of int64 labels (8 radix passes, about 20 launches of host work).
+// by a block of 1024 threads (in registers; shared memory for far partners), then each row's
+// place by binary searches of the other tiles. Against counting every pair of labels (batch^2
+// compares: 117 us at 16384 rows) and at::sort of int64 labels (8 radix passes, about 20
+// launches of host work).
 constexpr int kLabelTile = 2048;
 constexpr int kLabelThreads = 1024;
 constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kernel's tile
@@ -685,39 +686,67 @@ __global__ void column_means_kernel(const double* partials, int slices, int64_t 
   mean[column] = float(sum / double(batch));
 }
 
-// batch_hard's label order, first per tile of kLabelTile rows: the tile's (label, row) pairs
-// sorted in shared memory (bitonic; the rows are unique, so the order is total: stable by row).
-// Past the batch's end the pairs are (int64 max, int32 max), after every real one.
+// A (label, row) pair of batch_hard's label order; rows are unique, so the order is total.
+struct LabelRow {
+  int64_t label;
+  int32_t row;
+};
+
+__device__ __forceinline__ bool before(const LabelRow& x, const LabelRow& y) {
+  return x.label < y.label || (x.label == y.label && x.row < y.row);
+}
+
+// batch_hard's label order, first per tile of kLabelTile rows: the tile's pairs sorted (bitonic,
+// two a thread at places 2 t and 2 t + 1): partners within a warp by shuffles, farther ones
+// (15 of the 66 steps) through shared memory. Past the batch's end the pairs are (int64 max,
+// int32 max), after every real one.
 __global__ void __launch_bounds__(kLabelThreads)
     label_tiles_kernel(const int64_t* labels, int64_t batch, int64_t* tile_labels,
                        int32_t* tile_rows) {
+  static_assert(kLabelTile == 2 * kLabelThreads, "two pairs a thread");
   __shared__ int64_t keys[kLabelTile];
   __shared__ int32_t rows[kLabelTile];
+  const int t = threadIdx.x;
   const int64_t first = int64_t(blockIdx.x) * kLabelTile;
-  for (int i = threadIdx.x; i < kLabelTile; i += kLabelThreads) {
-    const bool real = first + i < batch;
-    keys[i] = real ? labels[first + i] : INT64_MAX;
-    rows[i] = real ? int32_t(first + i) : INT32_MAX;
+  LabelRow mine[2];
+  for (int k = 0; k < 2; ++k) {
+    const int64_t r = first + 2 * t + k;
+    mine[k] = r < batch ? LabelRow{labels[r], int32_t(r)} : LabelRow{INT64_MAX, INT32_MAX};
   }
   for (int size = 2; size <= kLabelTile; size *= 2) {
     for (int stride = size / 2; stride > 0; stride /= 2) {
-      __syncthreads();
-      for (int pair = threadIdx.x; pair < kLabelTile / 2; pair += kLabelThreads) {
-        const int i = 2 * pair - (pair & (stride - 1)), j = i + stride;  // i's stride bit clear
-        const bool after = keys[i] > keys[j] || (keys[i] == keys[j] && rows[i] > rows[j]);
-        if (after == ((i & size) == 0)) {  // out of this run's direction: swap
-          const int64_t key = keys[i];
-          const int32_t row = rows[i];
-          keys[i] = keys[j], rows[i] = rows[j];
-          keys[j] = key, rows[j] = row;
+      const bool ascending = ((2 * t) & size) == 0;  // the same for both places (size >= 2)
+      if (stride == 1) {
+        if (before(mine[1], mine[0]) == ascending) {
+          const LabelRow x = mine[0];
+          mine[0] = mine[1], mine[1] = x;
         }
+        continue;
+      }
+      LabelRow other[2];
+      if (stride < 64) {  // the partner's places 2 (t ^ stride / 2) + k: a lane of this warp
+        for (int k = 0; k < 2; ++k) {
+          other[k] = {__shfl_xor_sync(0xffffffffu, mine[k].label, stride / 2),
+                      __shfl_xor_sync(0xffffffffu, mine[k].row, stride / 2)};
+        }
+      } else {
+        for (int k = 0; k < 2; ++k) keys[2 * t + k] = mine[k].label, rows[2 * t + k] = mine[k].row;
+        __syncthreads();
+        for (int k = 0; k < 2; ++k) {
+          other[k] = {keys[(2 * t + k) ^ stride], rows[(2 * t + k) ^ stride]};
+        }
+        __syncthreads();
+      }
+      // The lower place keeps the run's first of the two, the upper its second.
+      const bool keeps_first = (((2 * t) & stride) == 0) == ascending;
+      for (int k = 0; k < 2; ++k) {
+        if (before(other[k], mine[k]) == keeps_first) mine[k] = other[k];
       }
     }
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < kLabelTile && first + i < batch; i += kLabelThreads) {
-    tile_labels[first + i] = keys[i];
-    tile_rows[first + i] = rows[i];
+  for (int k = 0; k < 2; ++k) {
+    const int64_t r = first + 2 * t + k;
+    if (r < batch) tile_labels[r] = mine[k].label, tile_rows[r] = mine[k].row;
   }
 }
 
