@@ -336,7 +336,7 @@ def _triplet_backward_fake(grad, anchor, positive, negative, dists, margin, p, e
                  for x, needed in zip((anchor, positive, negative), output_mask))
 
 
-def _mine_batch_hard_fake(embeddings, labels, eps, rank_labels=True):
+def _mine_batch_hard_fake(embeddings, labels, eps, count_labels=True):
     batch = embeddings.shape[0]
     return labels.new_empty(batch), labels.new_empty(batch), labels.new_empty(batch, dtype=torch.bool)
 

@@ -9,8 +9,9 @@
 //   centred_rows_kernel, gram_distances_kernel
 //                         batch_all, larger batches: the rows less their mean, and distances from
 //                         their float Gram products, exact where those are not accurate enough.
-//   label_tiles_kernel, label_order_kernel
-//                         batch_hard, large batches: the rows' order sorted by label (stable).
+//   label_ranks_kernel, label_order_kernel, or label_tiles_kernel, label_merge_kernel
+//                         batch_hard, large batches: the rows' order sorted by label (stable),
+//                         by counting or by sorted tiles.
 //   hard_loss_kernel      batch_hard: per anchor its hardest positive and negative (from the
 //                         distances, or as hardest_kernel chose them), their distances in
 //                         double sums, the hinge.
@@ -116,13 +117,18 @@ constexpr int kColumnSlots = 8;     // ... a column's nonzeros listed per round 
 // columns and slice fills the GPU at every batch), then the slices in order: deterministic, and
 // no scratch beyond [64, dim] doubles (torch's mean took 16 MiB at (4096, 512)).
 constexpr int kMeanSlices = 64;
-// batch_hard's label order on the device at any batch, two launches: tiles of 2048 rows sorted
-// by a block of 1024 threads (in registers; shared memory for far partners), then each row's
-// place by binary searches of the other tiles. Against counting every pair of labels (batch^2
-// compares: 117 us at 16384 rows) and at::sort of int64 labels (8 radix passes, about 20
-// launches of host work).
+// batch_hard's label order on the device, two launches. Up to 4096 rows by counting, for each
+// row, the labels before it (batch^2 compares: (4096, 512) 0.94x the step's GPU time of the
+// tiles below; 117 us at 16384 rows). Above, tiles of 2048 rows sorted by a block of 1024
+// threads (in registers; shared memory for far partners), then each row's place by binary
+// searches of the other tiles ((16384, 512) 0.94x the step of counting, (32768, 128) 0.99x that
+// of at::sort, whose 8 radix passes on int64 labels are about 20 launches of host work).
+constexpr int64_t kCountLabelRows = 4096;
+constexpr int kRankSlices = 32;       // ... counting: the columns split 32 ways (a few blocks an SM)
+constexpr int kRankRowsPerThread = 4;  // ... each staged label compared with 4 rows'
 constexpr int kLabelTile = 2048;
 constexpr int kLabelThreads = 1024;
+constexpr int kSearchTiles = 8;       // ... tiles: each row's searches of 8 tiles in step
 constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kernel's tile
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
 // rounded to bfloat16: 2 (x~_i . r_c + r_i . x_c) + accumulation, at most
@@ -172,7 +178,8 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
                                                  kGradientMmaTiles;
   plan.mean_slices = kMeanSlices;
-  plan.rank_labels = true;
+  plan.count_labels = batch <= kCountLabelRows;
+  plan.rank_slices = kRankSlices;
   return plan;
 }
 
@@ -686,6 +693,57 @@ __global__ void column_means_kernel(const double* partials, int slices, int64_t 
   mean[column] = float(sum / double(batch));
 }
 
+// batch_hard's label order by counting, first per slice of columns: for each row, how many of
+// the slice's rows come before it in the stable order (a smaller label, or the same at a smaller
+// index).
+// kRankRowsPerThread rows a thread, the slice's labels staged through shared memory. ahead:
+// [slices, batch] int32.
+__global__ void __launch_bounds__(kRowThreads)
+    label_ranks_kernel(const int64_t* labels, int64_t batch, int32_t* ahead) {
+  constexpr int kRows = kRankRowsPerThread;
+  __shared__ int64_t staged[kRowThreads];
+  const int64_t slice_columns = (batch + gridDim.y - 1) / gridDim.y;
+  const int64_t from = int64_t(blockIdx.y) * slice_columns;
+  const int64_t to = std::min(batch, from + slice_columns);
+  int64_t row[kRows], mine[kRows];
+  int32_t count[kRows];
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    row[u] = (int64_t(blockIdx.x) * kRows + u) * kRowThreads + threadIdx.x;
+    mine[u] = row[u] < batch ? labels[row[u]] : 0;
+    count[u] = 0;
+  }
+  for (int64_t base = from; base < to; base += kRowThreads) {
+    __syncthreads();  // the last tile's labels read by every thread
+    if (base + threadIdx.x < to) staged[threadIdx.x] = labels[base + threadIdx.x];
+    __syncthreads();
+    const int staged_count = int(std::min<int64_t>(kRowThreads, to - base));
+    for (int j = 0; j < staged_count; ++j) {
+      const int64_t label = staged[j];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        count[u] += label < mine[u] || (label == mine[u] && base + j < row[u]);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kRows; ++u) {
+    if (row[u] < batch) ahead[int64_t(blockIdx.y) * batch + row[u]] = count[u];
+  }
+}
+
+// ... then a thread per row adds its slices' counts: its place in the stable order.
+__global__ void label_order_kernel(const int64_t* labels, const int32_t* ahead, int slices,
+                                   int64_t batch, int64_t* sorted_labels, int64_t* order) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= batch) return;
+  int64_t place = 0;
+  for (int s = 0; s < slices; ++s) place += ahead[s * batch + row];
+  order[place] = row;
+  sorted_labels[place] = labels[row];
+}
+
+
 // A (label, row) pair of batch_hard's label order; rows are unique, so the order is total.
 struct LabelRow {
   int64_t label;
@@ -751,25 +809,36 @@ __global__ void __launch_bounds__(kLabelThreads)
 }
 
 // ... then a thread per pair: its place in the stable order is its place in its tile plus, in
-// every other tile (a binary search), the rows before it: an earlier tile's rows come first at
-// an equal label, a later tile's after.
+// every other tile (binary searches, kSearchTiles in step so their loads are in flight
+// together), the rows before it: an earlier tile's rows come first at an equal label.
 __global__ void __launch_bounds__(kRowThreads)
-    label_order_kernel(const int64_t* tile_labels, const int32_t* tile_rows, int64_t batch,
+    label_merge_kernel(const int64_t* tile_labels, const int32_t* tile_rows, int64_t batch,
                        int64_t* sorted_labels, int64_t* order) {
   const int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (s >= batch) return;
   const int64_t my_tile = s / kLabelTile, label = tile_labels[s];
   int64_t place = s - my_tile * kLabelTile;
-  for (int64_t tile = 0; tile * kLabelTile < batch; ++tile) {
-    if (tile == my_tile) continue;
-    const int64_t* keys = tile_labels + tile * kLabelTile;
-    const bool equal_before = tile < my_tile;
-    int64_t lo = 0, hi = std::min<int64_t>(kLabelTile, batch - tile * kLabelTile);
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (equal_before ? keys[mid] <= label : keys[mid] < label) lo = mid + 1; else hi = mid;
+  for (int64_t base = 0; base * kLabelTile < batch; base += kSearchTiles) {
+    int lo[kSearchTiles], hi[kSearchTiles];
+#pragma unroll
+    for (int u = 0; u < kSearchTiles; ++u) {
+      const int64_t tile = base + u;
+      lo[u] = 0;
+      hi[u] = tile == my_tile
+                  ? 0
+                  : int(std::clamp<int64_t>(batch - tile * kLabelTile, 0, kLabelTile));
     }
-    place += lo;
+    for (int step = 0; (kLabelTile >> step) > 0; ++step) {  // log2(kLabelTile) + 1 halvings
+#pragma unroll
+      for (int u = 0; u < kSearchTiles; ++u) {
+        if (lo[u] >= hi[u]) continue;
+        const int mid = (lo[u] + hi[u]) / 2;
+        const int64_t key = tile_labels[(base + u) * kLabelTile + mid];
+        if (base + u < my_tile ? key <= label : key < label) lo[u] = mid + 1; else hi[u] = mid;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSearchTiles; ++u) place += lo[u];
   }
   order[place] = tile_rows[s];
   sorted_labels[place] = label;
@@ -1906,15 +1975,32 @@ cudaError_t launch_column_means(const void* x, DType dtype, int64_t batch, int64
   return cudaGetLastError();
 }
 
-cudaError_t launch_label_order(const int64_t* labels, int64_t batch, int64_t* tile_labels,
-                               int32_t* tile_rows, int64_t* sorted_labels, int64_t* order,
+int64_t label_order_scratch(const MiningPlan& plan, int64_t batch) {
+  return plan.count_labels ? plan.rank_slices * batch : 3 * batch;  // tiles: int64 labels, rows
+}
+
+cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
+                               int32_t* scratch, int64_t* sorted_labels, int64_t* order,
                                cudaStream_t stream) {
   if (batch == 0) return cudaSuccess;
+  if (plan.count_labels) {
+    const int64_t rows_per_block = int64_t(kRowThreads) * kRankRowsPerThread;
+    label_ranks_kernel<<<dim3(unsigned((batch + rows_per_block - 1) / rows_per_block),
+                              plan.rank_slices),
+                         kRowThreads, 0, stream>>>(labels, batch, scratch);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    label_order_kernel<<<(batch + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
+        labels, scratch, plan.rank_slices, batch, sorted_labels, order);
+    return cudaGetLastError();
+  }
+  int64_t* tile_labels = reinterpret_cast<int64_t*>(scratch);  // 8-byte aligned: an allocation
+  int32_t* tile_rows = scratch + 2 * batch;
   label_tiles_kernel<<<unsigned((batch + kLabelTile - 1) / kLabelTile), kLabelThreads, 0,
                        stream>>>(labels, batch, tile_labels, tile_rows);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  label_order_kernel<<<(batch + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
+  label_merge_kernel<<<(batch + kRowThreads - 1) / kRowThreads, kRowThreads, 0, stream>>>(
       tile_labels, tile_rows, batch, sorted_labels, order);
   return cudaGetLastError();
 }

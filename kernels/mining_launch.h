@@ -56,7 +56,8 @@ struct MiningPlan {
   bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
   bool sparse_gradient;   // past the whole batch: the chunks' weights read for their nonzeros
   int mean_slices;        // the Gram products' centre: slices of rows summed apart
-  bool rank_labels;       // batch_hard's label order by sorted tiles on the device (else at::sort)
+  bool count_labels;      // batch_hard's label order by counting compares (else sorted tiles)
+  int rank_slices;        // ... counting: the columns split this many ways
 };
 
 // cc_major: the device's compute capability; input_bytes: the embeddings' bytes as given;
@@ -127,11 +128,11 @@ cudaError_t launch_column_means(const void* x, DType dtype, int64_t batch, int64
                                 const MiningPlan& plan, double* partials, float* mean,
                                 cudaStream_t stream);
 
-// batch_hard's label order where plan.rank_labels: sorted_labels and order [batch] int64 as
-// labels.sort(stable) gives them (values, indices); tile_labels [batch] int64 and tile_rows
-// [batch] int32 scratch (batch < 2^31).
-cudaError_t launch_label_order(const int64_t* labels, int64_t batch, int64_t* tile_labels,
-                               int32_t* tile_rows, int64_t* sorted_labels, int64_t* order,
+// batch_hard's label order: sorted_labels and order [batch] int64 as labels.sort(stable) gives
+// them (values, indices); scratch: [label_order_scratch(plan, batch)] int32 (batch < 2^31).
+int64_t label_order_scratch(const MiningPlan& plan, int64_t batch);
+cudaError_t launch_label_order(const int64_t* labels, int64_t batch, const MiningPlan& plan,
+                               int32_t* scratch, int64_t* sorted_labels, int64_t* order,
                                cudaStream_t stream);
 
 // The Gram products' rows: centred [batch, dim] float = x - mean ([dim] float) and terms

@@ -304,20 +304,13 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
   const int64_t batch = embeddings.size(0);
   at::Tensor picks = at::empty({2, batch}, call.labels.options());
   at::Tensor valid = at::empty({batch}, call.labels.options().dtype(at::kBool));
-  at::Tensor sorted_labels, order;
-  if (plan.rank_labels) {
-    sorted_labels = at::empty_like(call.labels);
-    order = at::empty_like(call.labels);
-    const at::Tensor tile_labels = at::empty_like(call.labels);
-    const at::Tensor tile_rows = at::empty({batch}, call.labels.options().dtype(at::kInt));
-    C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch,
-                                      tile_labels.data_ptr<int64_t>(),
-                                      tile_rows.data_ptr<int32_t>(),
-                                      sorted_labels.data_ptr<int64_t>(),
-                                      order.data_ptr<int64_t>(), call.stream));
-  } else {
-    std::tie(sorted_labels, order) = call.labels.sort(/*stable=*/true, 0, false);
-  }
+  const at::Tensor sorted_labels = at::empty_like(call.labels);
+  const at::Tensor order = at::empty_like(call.labels);
+  const at::Tensor scratch =
+      at::empty({label_order_scratch(plan, batch)}, call.labels.options().dtype(at::kInt));
+  C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch, plan,
+                                    scratch.data_ptr<int32_t>(), sorted_labels.data_ptr<int64_t>(),
+                                    order.data_ptr<int64_t>(), call.stream));
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
   at::Tensor bounds = at::empty({gram_bounds_floats(batch)}, call.floats);
   at::Tensor classes = at::empty({batch, 2}, call.labels.options());
@@ -595,10 +588,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
 }
 
 // Tests: batch_hard's large-batch mining alone, (positive, negative, valid) per anchor, the labels
-// ordered by rank_labels' way at any batch.
+// ordered by counting (count_labels) or by sorted tiles at any batch.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings,
                                                                     const at::Tensor& labels,
-                                                                    double eps, bool rank_labels) {
+                                                                    double eps, bool count_labels) {
   const MiningCall call(embeddings, labels, Mining::kBatchHard, LossRule{});
   const int64_t batch = call.embeddings.size(0);
   if (batch == 0) {
@@ -606,7 +599,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
             at::empty({0}, call.labels.options().dtype(at::kBool))};
   }
   MiningPlan plan = call.plan(false);
-  plan.rank_labels = rank_labels;
+  plan.count_labels = count_labels;
   const auto [picks, valid] = mine_hardest(call, plan, eps);
   const at::Tensor anchors = at::arange(batch, picks.options());
   return {at::where(valid, picks[0], anchors), at::where(valid, picks[1], anchors), valid};

@@ -59,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mined_loss_autograd(
     int64_t counting, int64_t band, double band_margin, int64_t references);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Tensor& embeddings,
                                                                     const at::Tensor& labels,
-                                                                    double eps, bool rank_labels);
+                                                                    double eps, bool count_labels);
 int64_t mining_whole_rows(int64_t mining);
 
 }  // namespace
@@ -114,7 +114,7 @@ TORCH_LIBRARY(fused_triplet_internal, m) {
   m.def(
       "upstream_history(Tensor anchor, Tensor positive, Tensor negative, float margin, float p, "
       "float eps, bool swap, int reduction, bool float32_loss=False) -> Tensor");
-  m.def("mine_batch_hard(Tensor embeddings, Tensor labels, float eps, bool rank_labels=True) "
+  m.def("mine_batch_hard(Tensor embeddings, Tensor labels, float eps, bool count_labels=True) "
         "-> (Tensor, Tensor, Tensor)");
 }
 

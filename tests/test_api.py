@@ -214,8 +214,9 @@ def test_sources_split_between_nvcc_and_the_host_compiler():
                        "forward_finish_kernel", "forward_one_pass_kernel", "forward_ring_kernel",
                        "forward_rows_kernel", "gram_distances_kernel", "gram_rows_kernel",
                        "hard_gradient_kernel", "hard_gradient_sorted_kernel",
-                       "hard_loss_kernel", "hardest_kernel", "label_order_kernel",
-                       "label_tiles_kernel", "mined_total_kernel",
+                       "hard_loss_kernel", "hardest_kernel", "label_merge_kernel",
+                       "label_order_kernel", "label_ranks_kernel", "label_tiles_kernel",
+                       "mined_total_kernel",
                        "sparse_columns_gradient_kernel", "sparse_rows_gradient_kernel",
                        "thread_spreads_kernel", "unit_rows_backward_kernel",
                        "unit_rows_kernel"], kernels

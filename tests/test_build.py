@@ -124,9 +124,10 @@ def test_few_kernels_no_spills_and_no_stack(build_log):
               "hard_loss_kernel", "hard_gradient_kernel", "hard_gradient_sorted_kernel",
               "all_gradient_kernel",
               "all_gradient_mma_kernel", "mined_total_kernel", "unit_rows", "centred_rows_kernel",
-              "column_sums_kernel", "column_means_kernel", "label_tiles_kernel",
-              "label_order_kernel", "sparse_rows_gradient_kernel",
-              "sparse_columns_gradient_kernel", "thread_spreads_kernel")
+              "column_sums_kernel", "column_means_kernel", "label_ranks_kernel",
+              "label_order_kernel", "label_tiles_kernel", "label_merge_kernel",
+              "sparse_rows_gradient_kernel", "sparse_columns_gradient_kernel",
+              "thread_spreads_kernel")
     for arch in archs:
         count = sum(1 for name, a in kernels if a == arch and not any(m in name for m in mining))
         assert 40 <= count <= 100, f"{count} triplet kernel functions for {arch}"

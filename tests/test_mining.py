@@ -422,10 +422,10 @@ def fused_picks(x, labels, eps=1e-6):
     return positive, negative, positive != torch.arange(len(labels), device=x.device)
 
 
-def sorted_mining(rank_labels):
-    """The Gram products' mining alone, the labels ordered by sorted tiles (rank_labels) or by
-    at::sort, at any batch."""
-    return lambda x, labels, eps: ft._internal_ops().mine_batch_hard(x, labels, eps, rank_labels)
+def sorted_mining(count_labels):
+    """The Gram products' mining alone, the labels ordered by counting (count_labels) or by
+    sorted tiles, at any batch."""
+    return lambda x, labels, eps: ft._internal_ops().mine_batch_hard(x, labels, eps, count_labels)
 
 
 @requires_cuda
@@ -463,7 +463,7 @@ def test_batch_hard_mines_rows_of_mixed_lengths(batch):
 @requires_cuda
 @pytest.mark.parametrize("batch", [3, 1000, 3001, 9000])
 def test_batch_hard_orders_labels_of_any_value(batch):
-    # The Gram mining's label order, by sorted tiles of 2048 and by at::sort: int64's extremes,
+    # The Gram mining's label order, by counting and by sorted tiles of 2048: int64's extremes,
     # negative and huge labels, classes of one and across tiles, a batch not a multiple of a tile.
     g = torch.Generator().manual_seed(batch)
     values = torch.tensor([-2**63, -2**40, -1, 0, 7, 2**33, 2**62, 2**63 - 1])
@@ -471,8 +471,8 @@ def test_batch_hard_orders_labels_of_any_value(batch):
     labels[: batch // 3] = torch.randint(-2**62, 2**62, (batch // 3,), generator=g)
     x = torch.randn(batch, 24, generator=g, dtype=torch.float64).float().double()
     want = ft._reference_batch_hard(x, labels, 2.0, 1e-6)
-    for rank_labels in (True, False):
-        got = sorted_mining(rank_labels)(x.float().cuda(), labels.cuda(), 1e-6)
+    for count_labels in (True, False):
+        got = sorted_mining(count_labels)(x.float().cuda(), labels.cuda(), 1e-6)
         for ours, theirs in zip(got, want):
             assert torch.equal(ours.cpu(), theirs)
 
