@@ -124,7 +124,7 @@ constexpr int kMeanSlices = 64;
 // searches of the other tiles ((16384, 512) 0.94x the step of counting, (32768, 128) 0.99x that
 // of at::sort, whose 8 radix passes on int64 labels are about 20 launches of host work).
 constexpr int64_t kCountLabelRows = 4096;
-constexpr int kRankSlices = 32;       // ... counting: the columns split 32 ways (a few blocks an SM)
+constexpr int kRankSlices = 32;       // ... counting: the columns split 32 ways (blocks an SM)
 constexpr int kRankRowsPerThread = 4;  // ... each staged label compared with 4 rows'
 constexpr int kLabelTile = 2048;
 constexpr int kLabelThreads = 1024;
