@@ -128,7 +128,6 @@ constexpr int kRankSlices = 32;       // ... counting: the columns split 32 ways
 constexpr int kRankRowsPerThread = 4;  // ... each staged label compared with 4 rows'
 constexpr int kLabelTile = 2048;
 constexpr int kLabelThreads = 1024;
-constexpr int kSearchTiles = 8;       // ... tiles: each row's searches of 8 tiles in step
 constexpr int kGradientRows = 64, kGradientCols = 128;  // all_gradient_mma_kernel's tile
 // The Gram matrix's error on a squared distance d(i, c)^2, with x~ = x + r the centred rows
 // rounded to bfloat16: 2 (x~_i . r_c + r_i . x_c) + accumulation, at most
@@ -809,8 +808,8 @@ __global__ void __launch_bounds__(kLabelThreads)
 }
 
 // ... then a thread per pair: its place in the stable order is its place in its tile plus, in
-// every other tile (binary searches, kSearchTiles in step so their loads are in flight
-// together), the rows before it: an earlier tile's rows come first at an equal label.
+// every other tile (a binary search), the rows before it: an earlier tile's rows come first at
+// an equal label, a later tile's after.
 __global__ void __launch_bounds__(kRowThreads)
     label_merge_kernel(const int64_t* tile_labels, const int32_t* tile_rows, int64_t batch,
                        int64_t* sorted_labels, int64_t* order) {
@@ -818,27 +817,16 @@ __global__ void __launch_bounds__(kRowThreads)
   if (s >= batch) return;
   const int64_t my_tile = s / kLabelTile, label = tile_labels[s];
   int64_t place = s - my_tile * kLabelTile;
-  for (int64_t base = 0; base * kLabelTile < batch; base += kSearchTiles) {
-    int lo[kSearchTiles], hi[kSearchTiles];
-#pragma unroll
-    for (int u = 0; u < kSearchTiles; ++u) {
-      const int64_t tile = base + u;
-      lo[u] = 0;
-      hi[u] = tile == my_tile
-                  ? 0
-                  : int(std::clamp<int64_t>(batch - tile * kLabelTile, 0, kLabelTile));
+  for (int64_t tile = 0; tile * kLabelTile < batch; ++tile) {
+    if (tile == my_tile) continue;
+    const int64_t* keys = tile_labels + tile * kLabelTile;
+    const bool equal_before = tile < my_tile;
+    int64_t lo = 0, hi = std::min<int64_t>(kLabelTile, batch - tile * kLabelTile);
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (equal_before ? keys[mid] <= label : keys[mid] < label) lo = mid + 1; else hi = mid;
     }
-    for (int step = 0; (kLabelTile >> step) > 0; ++step) {  // log2(kLabelTile) + 1 halvings
-#pragma unroll
-      for (int u = 0; u < kSearchTiles; ++u) {
-        if (lo[u] >= hi[u]) continue;
-        const int mid = (lo[u] + hi[u]) / 2;
-        const int64_t key = tile_labels[(base + u) * kLabelTile + mid];
-        if (base + u < my_tile ? key <= label : key < label) lo[u] = mid + 1; else hi[u] = mid;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kSearchTiles; ++u) place += lo[u];
+    place += lo;
   }
   order[place] = tile_rows[s];
   sorted_labels[place] = label;

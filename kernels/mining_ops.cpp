@@ -306,11 +306,14 @@ std::tuple<at::Tensor, at::Tensor> mine_hardest(const MiningCall& call, const Mi
   at::Tensor valid = at::empty({batch}, call.labels.options().dtype(at::kBool));
   const at::Tensor sorted_labels = at::empty_like(call.labels);
   const at::Tensor order = at::empty_like(call.labels);
-  const at::Tensor scratch =
-      at::empty({label_order_scratch(plan, batch)}, call.labels.options().dtype(at::kInt));
-  C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch, plan,
-                                    scratch.data_ptr<int32_t>(), sorted_labels.data_ptr<int64_t>(),
-                                    order.data_ptr<int64_t>(), call.stream));
+  {  // the order's scratch freed before the products' chunks, the call's peak
+    const at::Tensor scratch =
+        at::empty({label_order_scratch(plan, batch)}, call.labels.options().dtype(at::kInt));
+    C10_CUDA_CHECK(launch_label_order(call.labels.data_ptr<int64_t>(), batch, plan,
+                                      scratch.data_ptr<int32_t>(),
+                                      sorted_labels.data_ptr<int64_t>(),
+                                      order.data_ptr<int64_t>(), call.stream));
+  }
   at::Tensor rounded = at::empty(embeddings.sizes(), embeddings.options().dtype(at::kBFloat16));
   at::Tensor bounds = at::empty({gram_bounds_floats(batch)}, call.floats);
   at::Tensor classes = at::empty({batch, 2}, call.labels.options());
