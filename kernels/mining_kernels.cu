@@ -694,9 +694,8 @@ __global__ void column_means_kernel(const double* partials, int slices, int64_t 
 
 // batch_hard's label order by counting, first per slice of columns: for each row, how many of
 // the slice's rows come before it in the stable order (a smaller label, or the same at a smaller
-// index).
-// kRankRowsPerThread rows a thread, the slice's labels staged through shared memory. ahead:
-// [slices, batch] int32.
+// index). kRankRowsPerThread rows a thread, the slice's labels staged through shared memory.
+// ahead: [slices, batch] int32.
 __global__ void __launch_bounds__(kRowThreads)
     label_ranks_kernel(const int64_t* labels, int64_t batch, int32_t* ahead) {
   constexpr int kRows = kRankRowsPerThread;
@@ -741,7 +740,6 @@ __global__ void label_order_kernel(const int64_t* labels, const int32_t* ahead, 
   order[place] = row;
   sorted_labels[place] = labels[row];
 }
-
 
 // A (label, row) pair of batch_hard's label order; rows are unique, so the order is total.
 struct LabelRow {
