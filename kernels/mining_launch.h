@@ -60,11 +60,12 @@ struct MiningPlan {
   int rank_slices;        // ... counting: the columns split this many ways
 };
 
-// cc_major: the device's compute capability; input_bytes: the embeddings' bytes as given;
-// copy_bytes: the call's copies of them (float, unit rows). allow_whole false: chunks at any batch
-// (tests of the large batches' kernels).
-MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major,
-                       int64_t input_bytes, int64_t copy_bytes, bool allow_whole = true);
+// cc_major, sm_count: the device's compute capability and SMs; dtype: the rows the kernels read;
+// input_bytes: the embeddings' bytes as given; copy_bytes: the call's copies of them (float, unit
+// rows). allow_whole false: chunks at any batch (tests of the large batches' kernels).
+MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, int sm_count,
+                       DType dtype, int64_t input_bytes, int64_t copy_bytes,
+                       bool allow_whole = true);
 // The largest batch whose distances stay whole (the shape of batch_all's saved weights).
 int64_t whole_batch_rows(Mining mining);
 

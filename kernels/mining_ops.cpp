@@ -193,9 +193,10 @@ struct MiningCall {
                    int64_t(embeddings.is_same(given) ? 0 : embeddings.nbytes())) {}
   // The plan of this call's shapes on its device (allow_whole false: chunks at any batch).
   MiningPlan plan(bool allow_whole = true) const {
-    return plan_mining(mining, embeddings.size(0), embeddings.size(1),
-                       device_facts(embeddings.get_device()).cc_major, input_bytes, copy_bytes,
-                       allow_whole);
+    const DeviceFacts facts = device_facts(embeddings.get_device());
+    return plan_mining(mining, embeddings.size(0), embeddings.size(1), facts.cc_major,
+                       facts.sm_count, *kernel_dtype(embeddings.scalar_type()), input_bytes,
+                       copy_bytes, allow_whole);
   }
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {
