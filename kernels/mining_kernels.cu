@@ -82,13 +82,13 @@ constexpr float kGramKeepRatio = 4.f;
 // time: 64 MiB at 16384 rows, and as fast as 2049 (about 55 TFLOP/s).
 constexpr int64_t kGradientPartRows = 512;
 constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in flight across it
-// batch_hard's mining kernel at 5 blocks an SM (48 registers; float rows took 55, so 4 blocks):
-// (16384, 512) fp32 0.972x the step's GPU time, bf16 (48 already) the same.
-constexpr int kHardestBlocksPerSm = 5;
 constexpr int kRowUnroll = 16;    // batch_hard's bounds pass: columns each thread loads at once,
 constexpr int kRowUnrollScalar = 8;  // ... or one by one (unaligned rows: 16 took 83 registers)
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
-constexpr int kDistanceUnroll = 8;  // exact distances: elements of each row a lane loads at once
+// Exact distances: elements of each row a lane loads at once, 8 of 2-byte rows and 4 of float
+// ones (8 took batch_hard's mining kernel to 55 registers there: 4 blocks an SM, not 5).
+constexpr int kDistanceUnroll = 8;
+constexpr int kDistanceUnrollFloat = 4;
 constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
@@ -173,7 +173,7 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, 
   // 16-byte groups only where every thread gets one: below, most warps would get no columns.
   plan.vector = batch % kRowVector == 0 && batch >= kRowVector * kRowThreads ? kRowVector : 1;
   // batch_hard's chunks up to whole waves of the mining kernel (a block per anchor) where the
-  // memory budget holds their products: (65536, 512) 1320 rows against 1024, 0.934x the step.
+  // memory budget holds their products: (65536, 512) 1320 rows against 1024, 0.945x the step.
   const int64_t wave = mining == Mining::kBatchHard && !plan.whole && sm_count > 0
                            ? int64_t(sm_count) * hardest_blocks_per_sm(plan.vector, dtype)
                            : 0;
@@ -211,17 +211,18 @@ __device__ __forceinline__ const T* rows_of(const MiningChunk& chunk) {
 // butterfly leaves the same bits in every lane.
 template <typename T>
 __device__ float exact_sq_distance(const T* a, const T* b, int64_t dim, float eps, int lane) {
+  constexpr int kUnroll = sizeof(T) == sizeof(float) ? kDistanceUnrollFloat : kDistanceUnroll;
   float acc = 0.f;
   int64_t k = lane;
-  for (; k + 32 * (kDistanceUnroll - 1) < dim; k += 32 * kDistanceUnroll) {
-    float x[kDistanceUnroll], y[kDistanceUnroll];
+  for (; k + 32 * (kUnroll - 1) < dim; k += 32 * kUnroll) {
+    float x[kUnroll], y[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kDistanceUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       x[u] = to_acc(a[k + 32 * u]);
       y[u] = to_acc(b[k + 32 * u]);
     }
 #pragma unroll
-    for (int u = 0; u < kDistanceUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const float v = (x[u] - y[u]) + eps;
       acc = fmaf(v, v, acc);
     }
@@ -480,7 +481,7 @@ __device__ __forceinline__ RowScan scan_row_bounds(const MiningChunk& chunk,
 // then combine picks. One body past 100 lines: its passes share the row's bounds and each
 // thread's picks in registers, which a split would send through memory.
 template <int kVector, typename T>
-__global__ void __launch_bounds__(kRowThreads, kHardestBlocksPerSm)
+__global__ void __launch_bounds__(kRowThreads)
     hardest_kernel(MiningChunk chunk, const __nv_bfloat16* gram, GramBounds bounds,
                    const int64_t* classes, const int64_t* order, int64_t* positive,
                    int64_t* negative, bool* valid) {
