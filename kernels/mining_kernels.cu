@@ -58,7 +58,8 @@ constexpr int64_t kWholeAllRows = 4096;
 // Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
 // products stay large enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
-// batch_hard's chunks of Gram products, bfloat16: up to 2^26 (128 MiB), float's rows at half the
+// batch_hard's chunks of Gram products, bfloat16: up to 2^26 (128 MiB; then up to whole waves of
+// the mining kernel where the budget below holds them, plan_mining), float's rows at half the
 // bytes (against float products: (16384, 512) 0.96x the step, (32768, 128) 0.86x, (65536, 512)
 // 0.95x); 2^25 took 1.04x at (16384, 512) and 1.19x at (65536, 512) (more, smaller chunks).
 constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
