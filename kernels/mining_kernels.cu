@@ -58,11 +58,13 @@ constexpr int64_t kWholeAllRows = 4096;
 // Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
 // products stay large enough for the tensor cores, the memory bounded at any batch.
 constexpr int64_t kChunkFloats = int64_t(1) << 26;
-// batch_hard's chunks of Gram products, bfloat16: up to 2^26 (128 MiB; then up to whole waves of
+// batch_hard's chunks of Gram products, bfloat16: up to 2^27 (256 MiB; then up to whole waves of
 // the mining kernel where the budget below holds them, plan_mining), float's rows at half the
 // bytes (against float products: (16384, 512) 0.96x the step, (32768, 128) 0.86x, (65536, 512)
-// 0.95x); 2^25 took 1.04x at (16384, 512) and 1.19x at (65536, 512) (more, smaller chunks).
-constexpr int64_t kHardChunkProducts = int64_t(1) << 26;
+// 0.95x). Each chunk's last wave leaves SMs idle (at (65536, 512) in 2 waves, the SMs active 64%
+// of the kernel): 2^27 against 2^26 (65536, 512) 0.857x, bf16 0.973x; 2^25 took 1.04x at (16384,
+// 512) and 1.19x at (65536, 512) against 2^26 (more, smaller chunks).
+constexpr int64_t kHardChunkProducts = int64_t(1) << 27;
 // ... fewer where the memory bound asks ((32768, 128) 94 MiB against 123 at 1.07x the time,
 // (16384, 512) bf16 95 against 162 at 1.11x): a call's scratch within twice the embeddings' bytes
 // + 64 MiB, plus the gradient's bytes (not yet allocated during the forward); beside the products,

@@ -767,12 +767,14 @@ def test_a_step_never_synchronises(mining):
 @requires_cuda
 @pytest.mark.parametrize("batch, dim, dtype", [(12288, 32, torch.float32),
                                                (12288, 32, torch.bfloat16),
-                                               (36864, 512, torch.bfloat16)])
+                                               (36864, 512, torch.bfloat16),
+                                               (65536, 512, torch.float32)])
 def test_batch_hard_scratch_within_the_memory_bound(batch, dim, dtype):
     # Beyond the embeddings and their gradient, a step's peak stays within twice the embeddings'
-    # bytes + 64 MiB: at narrow rows the bfloat16 products' chunks shrink to fit (2^26 products
-    # would take 128 MiB); wide 2-byte rows are read as given (a float copy and its float
-    # gradient alone would pass the bound).
+    # bytes + 64 MiB: at narrow rows the bfloat16 products' chunks shrink to fit (2^27 products
+    # would take 256 MiB); wide 2-byte rows are read as given (a float copy and its float
+    # gradient alone would pass the bound); at (65536, 512) the chunks of 2^27 products round up
+    # to whole waves of the mining kernel only where the budget holds them.
     x, labels = labelled_batch(batch, dim, batch // 8, dtype=dtype, device="cuda", seed=21)
     e = x.clone().requires_grad_(True)
     ft.mined_triplet_margin_loss(e, labels).backward()  # built and warm
