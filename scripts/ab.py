@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--compile", action="store_true", help="time torch.compile as well")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--minings", help="with --mining, those of its losses to time "
+                        "(default all), e.g. batch_hard")
     parser.add_argument("--mining", action="store_true",
                         help="mined_triplet_margin_loss over bench.py's mining cases")
     args = parser.parse_args()
@@ -92,7 +94,7 @@ def main() -> int:
     first = next(iter(bases))
 
     if args.mining:
-        rows = ab_mining(libraries, first, args.rounds, args.shapes)
+        rows = ab_mining(libraries, first, args.rounds, args.shapes, args.minings)
         args.modes = ""
     else:
         rows = []
@@ -161,7 +163,8 @@ def report(rows: list, row: dict, cells: str) -> None:
     torch.cuda.empty_cache()
 
 
-def ab_mining(libraries: dict, first: str, rounds: int, shapes: str | None) -> list:
+def ab_mining(libraries: dict, first: str, rounds: int, shapes: str | None,
+              minings: str | None = None) -> list:
     """Each library's mined loss, fwd+bwd of the mean, on bench.py's mining cases: median ms
     (interleaved, as bench.py times them) and peak extra memory."""
     import bench
@@ -172,6 +175,8 @@ def ab_mining(libraries: dict, first: str, rounds: int, shapes: str | None) -> l
           + " ".join(f"{n[:9]:>9} {'MiB':>7}" for n in libraries) + f" {'new/' + first[:4]:>8}")
     for mining, batch, dim, dtype_name in bench.MINING_CASES:
         if shapes and f"{batch}x{dim}" not in shapes.split(","):
+            continue
+        if minings and mining not in minings.split(","):
             continue
         torch.manual_seed(0)
         e = torch.randn(batch, dim, device="cuda").to(bench.DTYPES[dtype_name]).requires_grad_()

@@ -445,6 +445,30 @@ def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
 
 
 @requires_cuda
+def test_batch_hard_mines_every_chunk():
+    # At (9000, 16) the products' budget makes several chunks, one buffer reused: every anchor's
+    # picks are the reference's, eagerly and replayed from a CUDA graph.
+    x, labels = labelled_batch(9000, 16, 1000, dtype=torch.float32, device="cuda", seed=17)
+    want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
+    mine = sorted_mining(False)
+    for ours, theirs in zip(mine(x, labels, 1e-6), want):
+        assert torch.equal(ours, theirs)
+    rows = torch.zeros_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mine(rows, labels, 1e-6)  # warm: cuBLAS's workspace exists before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = mine(rows, labels, 1e-6)
+    rows.copy_(x)
+    graph.replay()
+    for ours, theirs in zip(got, want):
+        assert torch.equal(ours, theirs)
+
+
+@requires_cuda
 @pytest.mark.parametrize("batch", [2048, 2046])
 def test_batch_hard_mines_rows_of_mixed_lengths(batch):
     # Rows 10^4 apart in length: each column's bounds widen with its length, so a thread's best
