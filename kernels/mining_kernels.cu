@@ -88,10 +88,9 @@ constexpr int kRowThreads = 256;  // a block per anchor row: 8 warps, loads in f
 constexpr int kRowUnroll = 16;    // batch_hard's bounds pass: columns each thread loads at once,
 constexpr int kRowUnrollScalar = 8;  // ... or one by one (unaligned rows: 16 took 83 registers)
 constexpr int kRowVector = 4;     // in 16-byte loads of 4 where rows are (batch % 4 == 0)
-// Exact distances: elements of each row a lane loads at once, 8 of 2-byte rows and 4 of float
-// ones (8 took batch_hard's mining kernel to 55 registers there: 4 blocks an SM, not 5).
-constexpr int kDistanceUnroll = 8;
-constexpr int kDistanceUnrollFloat = 4;
+// Exact distances: elements of each row a lane loads at once (8 took batch_hard's mining kernel
+// past 48 registers: 4 blocks an SM, not 5).
+constexpr int kDistanceUnroll = 4;
 constexpr int kTile = 64;         // tiled kernels: 64 x 64 outputs per block, 4 x 4 per thread
 constexpr int kTileDepth = 16;    // elements of each row staged in shared memory per step
 constexpr int kTileThreads = (kTile / 4) * (kTile / 4);
@@ -215,18 +214,17 @@ __device__ __forceinline__ const T* rows_of(const MiningChunk& chunk) {
 // butterfly leaves the same bits in every lane.
 template <typename T>
 __device__ float exact_sq_distance(const T* a, const T* b, int64_t dim, float eps, int lane) {
-  constexpr int kUnroll = sizeof(T) == sizeof(float) ? kDistanceUnrollFloat : kDistanceUnroll;
   float acc = 0.f;
   int64_t k = lane;
-  for (; k + 32 * (kUnroll - 1) < dim; k += 32 * kUnroll) {
-    float x[kUnroll], y[kUnroll];
+  for (; k + 32 * (kDistanceUnroll - 1) < dim; k += 32 * kDistanceUnroll) {
+    float x[kDistanceUnroll], y[kDistanceUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kDistanceUnroll; ++u) {
       x[u] = to_acc(a[k + 32 * u]);
       y[u] = to_acc(b[k + 32 * u]);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kDistanceUnroll; ++u) {
       const float v = (x[u] - y[u]) + eps;
       acc = fmaf(v, v, acc);
     }
@@ -570,7 +568,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (lists_next_negative) listed[places.at[2]] = next_column;
   __syncthreads();
   for (int k = warp; k < places.starts[3]; k += kWarps) decide(listed[k], k < places.starts[1]);
-  // The walking threads' columns again, a warp in step; a NaN interval is always a candidate.
+  // The walking threads' columns again; a NaN interval is always a candidate.
   const auto interval = [&](int64_t c) {
     const float t = fmaf(-2.f, __bfloat162float(gram_row[c]), bounds.centres[c]);
     const float spread = bounds.spreads[c];
@@ -588,14 +586,19 @@ __global__ void __launch_bounds__(kRowThreads)
       decide_lanes(is_candidate, c, true);
     }
   }
-  if (__any_sync(0xffffffffu, walks_negatives)) {
-    // lanes in step: first is the warp's first lane's group, and lane l's is l groups on
-    for (int64_t first = first_negative_group(warp * 32, kVector); first < batch;
-         first += negative_group_stride(kVector)) {
+  // Each walking lane's columns in turn, the warp's lanes taking 32 of its groups at once.
+  for (unsigned walkers = __ballot_sync(0xffffffffu, walks_negatives); walkers != 0;
+       walkers &= walkers - 1) {
+    const int walker = __ffs(walkers) - 1;
+    // 32-bit columns (batch < 2^31, so below 2^32 here): fewer registers than 64-bit ones
+    constexpr unsigned kStride = unsigned(negative_group_stride(kVector));
+    const unsigned start = unsigned(first_negative_group(warp * 32 + walker, kVector));
+    for (unsigned round = start; round < batch; round += 32 * kStride) {
+      const unsigned first = round + lane * kStride;
       for (int j = 0; j < kVector; ++j) {
-        const int64_t c = first + first_negative_group(lane, kVector) + j;
+        const unsigned c = first + j;
         bool is_candidate = false;
-        if (walks_negatives && c < batch && !in_class(c)) {
+        if (c < batch && !in_class(c)) {
           const float2 d2 = interval(c);
           is_candidate = d2.x != d2.x || d2.y != d2.y || d2.x <= ceiling;
         }
