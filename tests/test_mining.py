@@ -469,6 +469,21 @@ def test_batch_hard_mines_every_chunk():
 
 
 @requires_cuda
+@pytest.mark.parametrize("batch", [9001, 33000])
+def test_batch_hard_walks_every_column_of_a_walking_thread(batch):
+    # Rows close together far from the origin: many threads walk their columns again, each in
+    # turn with the warp's lanes 32 of its groups at a time; past 32 x 256 columns (9001, one
+    # column a group) and 32 x 1024 (33000, groups of 4) a walker takes several rounds.
+    g = torch.Generator().manual_seed(batch)
+    x = (1e3 + 1e-2 * torch.randn(batch, 8, generator=g, dtype=torch.float64)).float()
+    labels = torch.randint(0, 1000, (batch,), generator=g)
+    x, labels = x.cuda(), labels.cuda()
+    want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
+    for ours, theirs in zip(sorted_mining(False)(x, labels, 1e-6), want):
+        assert torch.equal(ours, theirs)
+
+
+@requires_cuda
 @pytest.mark.parametrize("batch", [2048, 2046])
 def test_batch_hard_mines_rows_of_mixed_lengths(batch):
     # Rows 10^4 apart in length: each column's bounds widen with its length, so a thread's best
