@@ -578,6 +578,12 @@ _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor 
 _CPU_DIFFERENCES_BELOW = 1 << 18
 _CPU_HARD_DIFFERENCES_BELOW = 1 << 21
 _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
+# batch^2 x dim below which float64 batch_all keeps torch's (rows, batch, dim) differences for
+# autograd (1 MiB; recomputing them in the backward cost 0.75 ms of host time, 1.1x the step);
+# from it every difference by cdist, the gradient from products of the centred rows: backward
+# 0.49x autograd's through cdist at (32, 768), 0.23x at (64, 768) (float64 rows take every
+# difference: Gram products would not reach their rounding)
+_CPU_FEW_DIFFERENCES = 1 << 17
 # batch_all's sums from this many columns search only the positives' thresholds (each row's
 # columns holding them, from a topk of the mask), not every column's: 0.72x the step at (1024,
 # 512), 0.80-0.86x at 256 rows, 0.96-0.97x at 128; the topk, sort and gathers cost 1.08x at 96
@@ -736,21 +742,29 @@ def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop
 
 
 def _centred_rows(x: Tensor, p: float, eps: float, every_difference: bool = False):
-    """(x's rows in float64 less their mean, their squared norms) for distances from Gram
-    products: on CPU (on a GPU the index lists of the pairs left open would sync), p = 2, rows
-    and eps finite and well inside x's dtype's range (torch's sums of squares must not
-    overflow); else None. A batch_all batch that takes every difference (_every_difference)
-    reads no products: (None, None) where its rows' range allows."""
+    """(x's rows in float64 less their mean, their squared norms, every_difference) for
+    distances from their Gram products or, with every_difference, from every difference (float
+    rows: (None, None, True), autograd's gradient; float64 rows: their gradient from the
+    products, torch's own differences below _CPU_FEW_DIFFERENCES): on CPU (on a GPU the index
+    lists of the pairs left open would sync), p = 2, rows and eps finite and well inside x's
+    dtype's range (torch's sums of squares must not overflow); else None."""
     limit = torch.finfo(x.dtype).max / 64
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
     if every_difference:  # |a - b + eps|^2 <= dim (2 max |x| + eps)^2
-        reach = 2.0 * float(x.abs().amax()) + eps
-        return (None, None) if x.shape[1] * reach * reach < limit else None
+        reach = 2.0 * float(x.abs().amax() if x.numel() else 0) + eps
+        if not x.shape[1] * reach * reach < limit:
+            return None
+        if x.dtype != torch.float64:  # float rows: autograd's gradient through cdist
+            return None, None, True
+        if x.shape[0] ** 2 * x.shape[1] < _CPU_FEW_DIFFERENCES:
+            return None  # torch's own differences
     centred = x.to(torch.float64, copy=True)
     centred -= centred.mean(0)
     norms = torch.linalg.vector_norm(centred, dim=1).square()
-    return (centred, norms) if bool((norms < limit).all()) else None
+    if every_difference:
+        return centred, norms, True
+    return (centred, norms, False) if bool((norms < limit).all()) else None
 
 
 def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
@@ -768,7 +782,7 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
                 positive[start:stop], negative[start:stop] = _bounded_hardest(
-                    x, *gram, start, stop, eps, is_positive, is_negative)
+                    x, *gram[:2], start, stop, eps, is_positive, is_negative)
             else:
                 d = _distances_from(x, start, stop, p, eps)
                 positive[start:stop] = _first_extreme(d, is_positive, largest=True)
@@ -782,19 +796,28 @@ class _GramDistances(torch.autograd.Function):
     """Rows start:stop of torch's pairwise_distance (p = 2) to every row from float64 Gram
     products of the centred rows (_gram_squares), 0 at the close pairs (where the products'
     rounding could reach 2^-30 of the square; returned as a mask, less the diagonal, whose
-    distances no loss reads). The backward: with V = grad / d, sum_j V_ij (c_i - c_j + eps) to
-    row i and its opposite to row j, as two products with the centred rows in float64 (one, of
-    V + V^T, for the whole batch; the centring's own gradient sums to 0: distances do not move
-    with a common shift)."""
+    distances no loss reads); with every_difference (float64 rows) from every difference of the
+    centred rows, the close pairs those within sqrt(1/8) of their norms. The backward: with V =
+    grad / d, sum_j V_ij (c_i - c_j + eps) to row i and its opposite to row j, as two products
+    with the centred rows in float64 (one, of V + V^T, for the whole batch; the centring's own
+    gradient sums to 0: distances do not move with a common shift)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
-                eps: float) -> tuple:
-        squares, shifted = _gram_squares(x, centred, norms, start, stop, eps)
-        close = _gram_rounding(x.shape[1]) * (shifted[:, None] + norms) >= squares * 2.0 ** -30
-        roots = squares.masked_fill_(close, 0.0).sqrt_()
-        ctx.save_for_backward(centred, roots, close)
+    def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, every_difference: bool,
+                start: int, stop: int, eps: float) -> tuple:
         ctx.start, ctx.eps = start, _torch_eps(eps, x.dtype)
+        if every_difference:  # float64 rows, centred: eps rounds at their scale, as torch's
+            roots = _every_distance(centred, start, stop, eps)
+            # the products' gradient rounds with the rows' norms: torch's distance where they
+            # pass 8 x its square (duplicates: only eps apart)
+            close = norms[start:stop, None] + norms >= roots.square() * 8
+            roots.masked_fill_(close, 0.0)
+        else:
+            squares, shifted = _gram_squares(x, centred, norms, start, stop, eps)
+            close = (_gram_rounding(x.shape[1]) * (shifted[:, None] + norms)
+                     >= squares * 2.0 ** -30)
+            roots = squares.masked_fill_(close, 0.0).sqrt_()
+        ctx.save_for_backward(centred, roots, close)
         exact = close.clone()
         exact.diagonal(start).fill_(False)
         ctx.mark_non_differentiable(exact)
@@ -811,26 +834,32 @@ class _GramDistances(torch.autograd.Function):
             rows_grad = torch.addmm((by_row - by_column) * ctx.eps, weights + weights.t(),
                                     centred, alpha=-1)
             rows_grad.addcmul_(centred, by_row + by_column)
-            return rows_grad.to(grad.dtype), None, None, None, None, None
+            return rows_grad.to(grad.dtype), None, None, None, None, None, None
         # in place: fewer batch x dim temporaries (each a page-faulting allocation on CPU)
         rows_grad = torch.addmm(by_column * -ctx.eps, weights.t(), anchors, alpha=-1)
         rows_grad.addcmul_(centred, by_column)
         own = rows_grad[ctx.start:ctx.start + len(roots)]
         own.addmm_(weights, centred, alpha=-1).addcmul_(anchors, by_row).add_(by_row * ctx.eps)
-        return rows_grad.to(grad.dtype), None, None, None, None, None
+        return rows_grad.to(grad.dtype), None, None, None, None, None, None
+
+
+def _every_distance(x: Tensor, start: int, stop: int, eps: float) -> Tensor:
+    """Rows start:stop of torch's pairwise_distance (p = 2) to every row from every difference in
+    float64 (float rows' differences are exact there), without batch x batch x dim temporaries."""
+    rows = x.double()
+    return torch.cdist(rows[start:stop] + _torch_eps(eps, x.dtype), rows,
+                       compute_mode="donot_use_mm_for_euclid_dist")
 
 
 def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float) -> Tensor:
     """Rows start:stop of torch's pairwise_distance to every row, differentiable. With gram
-    (_centred_rows's, without a graph): small batches' differences in float64, larger ones' from
-    float64 Gram products (no batch x batch x dim differences), torch's own where their rounding
-    could reach 2^-30 of the square (close pairs), an anchor's own distance 0."""
+    (_centred_rows's, without a graph): every difference in float64 (_GramDistances's for float64
+    rows), or float64 Gram products (no batch x batch x dim differences); torch's own at the
+    close pairs, an anchor's own distance 0."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    if _every_difference(x, "batch_all"):
-        rows = x.double()  # float rows' differences are exact in float64
-        return torch.cdist(rows[start:stop] + _torch_eps(eps, x.dtype), rows,
-                           compute_mode="donot_use_mm_for_euclid_dist").to(x.dtype)
+    if gram[0] is None:  # few rows: autograd's gradient, the fewest operations
+        return _every_distance(x, start, stop, eps).to(x.dtype)
     far, close = _GramDistances.apply(x, *gram, start, stop, eps)
     rows, cols = close.nonzero(as_tuple=True)
     if not len(rows):
@@ -897,17 +926,18 @@ def _batch_all_rows(x: Tensor, gram, labels: Tensor, start: int, stop: int, marg
 
 def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps: float) -> tuple:
     """(loss, active) per anchor. float64 rows take every difference (Gram products would not
-    reach their rounding). A chunk's (rows, batch, dim) differences, or its (rows, batch)
-    products where the batch takes several chunks, are recomputed in the backward (checkpoint)
-    instead of kept."""
+    reach their rounding). A chunk's (rows, batch, dim) differences (but a few), or its (rows,
+    batch) distances where the batch takes several chunks, are recomputed in the backward
+    (checkpoint) instead of kept."""
     from torch.utils.checkpoint import checkpoint
 
-    gram = (_centred_rows(x.detach(), p, eps, _every_difference(x, "batch_all"))
-            if x.dtype != torch.float64 else None)
+    gram = _centred_rows(x.detach(), p, eps,
+                         x.dtype == torch.float64 or _every_difference(x, "batch_all"))
     per_row = x.shape[0] * (4 if gram else x.shape[1])  # a chunk's float64 (rows, batch) tensors
     chunks = _row_chunks(x.shape[0], per_row)
+    kept = gram or x.shape[0] ** 2 * x.shape[1] < _CPU_FEW_DIFFERENCES  # what autograd may keep
     parts = [_batch_all_rows(x, gram, labels, start, stop, margin, p, eps)
-             if gram and len(chunks) == 1 else
+             if kept and len(chunks) == 1 else
              checkpoint(_batch_all_rows, x, gram, labels, start, stop, margin, p, eps,
                         use_reentrant=False)
              for start, stop in chunks]

@@ -71,8 +71,9 @@ def test_uneven_classes_and_lonely_anchors():
         assert per_anchor[0] == 0
 
 
-def test_single_class_and_empty_batch_give_zero():
-    x, _ = labelled_batch(8, 4, 1)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_single_class_and_empty_batch_give_zero(dtype):
+    x, _ = labelled_batch(8, 4, 1, dtype=dtype)
     for mining, reduction in itertools.product(MININGS, ("mean", "sum")):
         assert ft.mined_triplet_margin_loss(x, torch.zeros(8, dtype=torch.long), mining,
                                             reduction=reduction) == 0
@@ -315,41 +316,71 @@ def reference_loss(x, labels, mining, margin, reduction):
     return (losses.sum() if reduction == "sum" else losses.sum() / counted.clamp_min(1)), leaf
 
 
-@pytest.mark.parametrize("batch", [160, 96, 24])
-@pytest.mark.parametrize("eps", [1e-6, 0.0])
-@pytest.mark.parametrize("kind", ["plain", "duplicates", "far from the origin", "tight classes",
-                                  "one point", "near float's range"])
-def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, batch):
-    # float32 rows on CPU: 96 and 160 rows' distances from float64 Gram products of centred rows
-    # (160: batch_all's sums over the positives' columns alone), torch's own for close pairs
-    # (duplicates, distances of 0); 24 rows' every difference in float64 (torch's own where
-    # float32 sums of squares could overflow: near float's range); per-anchor losses and the
-    # gradient of a weight per anchor
-    x, labels = labelled_batch(batch, 48, 6, seed=9)
+def losses_and_grad(losses_of, e, weights):
+    """losses_of(e) per anchor, and e's gradient of their sum weighted by weights."""
+    leaf = e.clone().requires_grad_(True)
+    losses = losses_of(leaf)
+    (losses * weights.to(losses.dtype)).sum().backward()
+    return losses.detach(), leaf.grad
+
+
+def rows_of_kind(kind, batch, dim, seed):
+    """A float64 batch of 6 classes laid out as `kind` says, and its labels."""
+    x, labels = labelled_batch(batch, dim, 6, seed=seed)
     if kind == "near float's range":
         x = x * 1e17
     elif kind == "duplicates":
         x[1::7] = x[0]
     elif kind == "far from the origin":
         x = x + 300
+    elif kind == "close and far from it":
+        x = x * 1e-2 + 1e4
     elif kind == "tight classes":
-        x = labelled_batch(6, 48, 1, seed=10)[0][labels] * 3 + 0.01 * x
+        x = labelled_batch(6, dim, 1, seed=seed + 1)[0][labels] * 3 + 0.01 * x
     elif kind == "one point":
         x = torch.zeros_like(x)
+    return x, labels
+
+
+BATCH_ALL_KINDS = ["plain", "duplicates", "far from the origin", "tight classes", "one point",
+                   "near float's range"]
+
+
+@pytest.mark.parametrize("batch", [160, 96, 24])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("kind", BATCH_ALL_KINDS)
+def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, batch):
+    # float32 rows on CPU: 96 and 160 rows' distances from float64 Gram products of centred rows
+    # (160: batch_all's sums over the positives' columns alone), torch's own for close pairs
+    # (duplicates, distances of 0); 24 rows' every difference in float64 (torch's own where
+    # float32 sums of squares could overflow: near float's range); per-anchor losses and the
+    # gradient of a weight per anchor
+    x, labels = rows_of_kind(kind, batch, 48, seed=9)
     weights = torch.rand(batch, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-
-    def losses_and_grad(losses_of, e):
-        leaf = e.clone().requires_grad_(True)
-        losses = losses_of(leaf)
-        (losses * weights.to(losses.dtype)).sum().backward()
-        return losses.detach(), leaf.grad
-
     ours = losses_and_grad(lambda e: ft.mined_triplet_margin_loss(
-        e, labels, "batch_all", margin=0.5, eps=eps, reduction="none"), x.float())
-    torch_float32, exact = (losses_and_grad(lambda e: every_triplet(e, labels, 0.5, eps)[0], e)
-                            for e in (x.float(), x))
+        e, labels, "batch_all", margin=0.5, eps=eps, reduction="none"), x.float(), weights)
+    torch_float32, exact = (losses_and_grad(lambda e: every_triplet(e, labels, 0.5, eps)[0], e,
+                                            weights) for e in (x.float(), x))
     for got, theirs, want in zip(ours, torch_float32, exact):
         assert_as_accurate_as_torch(got, theirs, want)
+
+
+@pytest.mark.parametrize("batch", [200, 64, 16])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+@pytest.mark.parametrize("kind", BATCH_ALL_KINDS + ["close and far from it"])
+def test_batch_all_float64_on_cpu_within_roundings_of_torch(kind, eps, batch):
+    # float64 rows on CPU: 200 and 64 rows' every difference of the centred rows, the gradient
+    # from their products, torch's own distance for pairs close against their norms
+    # (duplicates); 16 rows' torch's own differences. Per-anchor losses and the gradient of a
+    # weight per anchor within a few float64 roundings of torch's every triplet
+    x, labels = rows_of_kind(kind, batch, 48, seed=9)
+    assert (ft._centred_rows(x, 2.0, eps, True) is not None) == (batch > 16)
+    weights = torch.rand(batch, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ours = losses_and_grad(lambda e: ft.mined_triplet_margin_loss(
+        e, labels, "batch_all", margin=0.5, eps=eps, reduction="none"), x, weights)
+    want = losses_and_grad(lambda e: every_triplet(e, labels, 0.5, eps)[0], x, weights)
+    for got, expected in zip(ours, want):
+        assert (got - expected).abs().max() <= 1e-15 * batch * expected.abs().max()
 
 
 @pytest.mark.parametrize("eps", [1e-6, 0.0])
@@ -369,20 +400,14 @@ def test_batch_hard_gradient_on_cpu_as_accurate_as_torch_on_gathered_rows(kind, 
     weights = torch.rand(64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     positive, negative, valid = ft._reference_batch_hard(x.float(), labels, 2.0, eps)
 
-    def losses_and_grad(losses_of, e):
-        leaf = e.clone().requires_grad_(True)
-        losses = losses_of(leaf)
-        (losses * weights.to(losses.dtype)).sum().backward()
-        return losses.detach(), leaf.grad
-
     def gathered(e):
         losses = torch.nn.functional.triplet_margin_loss(e, e[positive], e[negative], eps=eps,
                                                          reduction="none")
         return torch.where(valid, losses, 0.0)
 
     ours = losses_and_grad(lambda e: ft.mined_triplet_margin_loss(
-        e, labels, "batch_hard", eps=eps, reduction="none"), x.float())
-    torch_float32, exact = (losses_and_grad(gathered, e) for e in (x.float(), x))
+        e, labels, "batch_hard", eps=eps, reduction="none"), x.float(), weights)
+    torch_float32, exact = (losses_and_grad(gathered, e, weights) for e in (x.float(), x))
     for got, theirs, want in zip(ours, torch_float32, exact):
         assert_as_accurate_as_torch(got, theirs, want)
 
