@@ -574,9 +574,10 @@ _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor 
 # differences lose to the products from about 2^19); batch_hard's torch's own, below 2^21 and
 # 80 rows (0.79x at (32, 768), 0.84-0.94x at (40, 768), (48, 512), (48, 768), (72, 256); 1.02x
 # at (64, 512), 1.53x at (64, 768); from 80 rows the products' bounds cost less: 1.08x at (96,
-# 128), 1.19x at (128, 128))
+# 128), 1.19x at (128, 128)); float64 rows' below 2^19 (twice the bytes: the products 0.89x at
+# (32, 768), 0.95x at (64, 128), 0.71x at (48, 768); 1.02-1.03x at (24, 768) and (48, 128))
 _CPU_DIFFERENCES_BELOW = 1 << 18
-_CPU_HARD_DIFFERENCES_BELOW = 1 << 21
+_CPU_HARD_DIFFERENCES_BELOW = {torch.float32: 1 << 21, torch.float64: 1 << 19}
 _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
 # batch^2 x dim below which float64 batch_all keeps torch's (rows, batch, dim) differences for
 # autograd (1 MiB; recomputing them in the backward cost 0.75 ms of host time, 1.1x the step);
@@ -594,7 +595,8 @@ def _every_difference(x: Tensor, mining: str) -> bool:
     """Whether CPU mining takes every difference of this batch (the thresholds above)."""
     size = x.shape[0] ** 2 * x.shape[1]
     if mining == "batch_hard":
-        return x.shape[0] < _CPU_HARD_DIFFERENCE_ROWS_BELOW and size < _CPU_HARD_DIFFERENCES_BELOW
+        return (x.shape[0] < _CPU_HARD_DIFFERENCE_ROWS_BELOW
+                and size < _CPU_HARD_DIFFERENCES_BELOW[x.dtype])
     return size < _CPU_DIFFERENCES_BELOW
 
 

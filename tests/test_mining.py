@@ -134,7 +134,7 @@ def test_batch_hard_from_bounds_chooses_as_every_distance(kind, dtype, eps, monk
     # On CPU batch_hard computes torch's distance only where float64 Gram bounds leave the
     # choice open: the same choice as from every (anchor, row) distance, ties to the first index
     # (the bounds at every size: small batches take every difference)
-    monkeypatch.setattr(ft, "_CPU_HARD_DIFFERENCES_BELOW", 0)
+    monkeypatch.setattr(ft, "_CPU_HARD_DIFFERENCES_BELOW", {torch.float32: 0, torch.float64: 0})
     x, labels = labelled_batch(300 if kind == "wide" else 60, 700 if kind == "wide" else 5, 4,
                                seed=len(kind))
     g = torch.Generator().manual_seed(len(kind))
