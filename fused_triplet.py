@@ -575,7 +575,7 @@ _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor 
 # 80 rows (0.79x at (32, 768), 0.84-0.94x at (40, 768), (48, 512), (48, 768), (72, 256); 1.02x
 # at (64, 512), 1.53x at (64, 768); from 80 rows the products' bounds cost less: 1.08x at (96,
 # 128), 1.19x at (128, 128)); float64 rows' below 2^19 (twice the bytes: the products 0.89x at
-# (32, 768), 0.95x at (64, 128), 0.71x at (48, 768); 1.02-1.03x at (24, 768) and (48, 128))
+# (32, 768), 0.95x at (64, 128), 0.71x at (48, 768); 1.09-1.14x at (24, 768) and (48, 128))
 _CPU_DIFFERENCES_BELOW = 1 << 18
 _CPU_HARD_DIFFERENCES_BELOW = {torch.float32: 1 << 21, torch.float64: 1 << 19}
 _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
