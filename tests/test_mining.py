@@ -365,14 +365,18 @@ def test_batch_all_float32_on_cpu_as_accurate_as_every_difference(kind, eps, bat
         assert_as_accurate_as_torch(got, theirs, want)
 
 
-@pytest.mark.parametrize("batch", [200, 64, 16])
+@pytest.mark.parametrize("batch,chunks", [(200, 1), (64, 1), (64, 4), (16, 1)])
 @pytest.mark.parametrize("eps", [1e-6, 0.0])
 @pytest.mark.parametrize("kind", BATCH_ALL_KINDS + ["close and far from it"])
-def test_batch_all_float64_on_cpu_within_roundings_of_torch(kind, eps, batch):
+def test_batch_all_float64_on_cpu_within_roundings_of_torch(kind, eps, batch, chunks,
+                                                             monkeypatch):
     # float64 rows on CPU: 200 and 64 rows' every difference of the centred rows, the gradient
     # from their products, torch's own distance for pairs close against their norms
-    # (duplicates); 16 rows' torch's own differences. Per-anchor losses and the gradient of a
-    # weight per anchor within a few float64 roundings of torch's every triplet
+    # (duplicates), whole or in chunks of anchors; 16 rows' torch's own differences. Per-anchor
+    # losses and the gradient of a weight per anchor within a few float64 roundings of torch's
+    # every triplet
+    if chunks > 1:  # a chunk's float64 (rows, batch) tensors: 4 x batch a row
+        monkeypatch.setattr(ft, "_REFERENCE_CHUNK_ELEMENTS", 4 * batch * batch // chunks)
     x, labels = rows_of_kind(kind, batch, 48, seed=9)
     assert (ft._centred_rows(x, 2.0, eps, True) is not None) == (batch > 16)
     weights = torch.rand(batch, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
