@@ -562,9 +562,10 @@ def test_batch_hard_with_nan_and_inf_rows(batch):
 
 
 @requires_cuda
-def test_batch_hard_ties_and_duplicates():
-    x = torch.randn(16, 8, device="cuda").repeat(4, 1)  # every row four times
-    labels = torch.arange(16, device="cuda").repeat(4) % 5
+@pytest.mark.parametrize("copies", [4, 12])  # 12: 192 rows, ties across the whole batch's tiles
+def test_batch_hard_ties_and_duplicates(copies):
+    x = torch.randn(16, 8, device="cuda").repeat(copies, 1)  # every row `copies` times
+    labels = torch.arange(16, device="cuda").repeat(copies) % 5
     want = ft._reference_batch_hard(x.double(), labels, 2.0, 1e-6)
     for mine in (sorted_mining(True), sorted_mining(False), fused_picks):
         positive, negative, valid = mine(x, labels, 1e-6)
