@@ -574,16 +574,14 @@ _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor 
 # differences lose to the products from about 2^19); batch_hard's torch's own, below 2^21 and
 # 80 rows (0.79x at (32, 768), 0.84-0.94x at (40, 768), (48, 512), (48, 768), (72, 256); 1.02x
 # at (64, 512), 1.53x at (64, 768); from 80 rows the products' bounds cost less: 1.08x at (96,
-# 128), 1.19x at (128, 128)); float64 rows' below 2^19 (twice the bytes: the products 0.89x at
-# (32, 768), 0.95x at (64, 128), 0.71x at (48, 768); 1.09-1.14x at (24, 768) and (48, 128))
+# 128), 1.19x at (128, 128)); float64 rows' below 2^19 (twice the bytes; docs/performance.md)
 _CPU_DIFFERENCES_BELOW = 1 << 18
 _CPU_HARD_DIFFERENCES_BELOW = {torch.float32: 1 << 21, torch.float64: 1 << 19}
 _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
 # batch^2 x dim below which float64 batch_all keeps torch's (rows, batch, dim) differences for
-# autograd (1 MiB; recomputing them in the backward cost 0.75 ms of host time, 1.1x the step);
-# from it every difference by cdist, the gradient from products of the centred rows: backward
-# 0.49x autograd's through cdist at (32, 768), 0.23x at (64, 768) (float64 rows take every
-# difference: Gram products would not reach their rounding)
+# autograd (1 MiB; recomputing them is host time); from it every difference by cdist, the
+# gradient from products of the centred rows, faster than autograd's through cdist (float64
+# rows take every difference: Gram products would not reach their rounding)
 _CPU_FEW_DIFFERENCES = 1 << 17
 # batch_all's sums from this many columns search only the positives' thresholds (each row's
 # columns holding them, from a topk of the mask), not every column's: 0.72x the step at (1024,
@@ -744,12 +742,12 @@ def _bounded_hardest(x: Tensor, centred: Tensor, norms: Tensor, start: int, stop
 
 
 def _centred_rows(x: Tensor, p: float, eps: float, every_difference: bool = False):
-    """(x's rows in float64 less their mean, their squared norms, every_difference) for
-    distances from their Gram products or, with every_difference, from every difference (float
-    rows: (None, None, True), autograd's gradient; float64 rows: their gradient from the
-    products, torch's own differences below _CPU_FEW_DIFFERENCES): on CPU (on a GPU the index
-    lists of the pairs left open would sync), p = 2, rows and eps finite and well inside x's
-    dtype's range (torch's sums of squares must not overflow); else None."""
+    """(x's rows in float64 less their mean, their squared norms) for distances from Gram
+    products (float64 rows: from every difference, the gradient from the products): on CPU (on a
+    GPU the index lists of the pairs left open would sync), p = 2, rows and eps finite and well
+    inside x's dtype's range (torch's sums of squares must not overflow); else None. A float
+    batch that takes every difference (_every_difference) reads no products: (None, None); a
+    float64 one below _CPU_FEW_DIFFERENCES takes torch's own differences: None."""
     limit = torch.finfo(x.dtype).max / 64
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
@@ -758,15 +756,13 @@ def _centred_rows(x: Tensor, p: float, eps: float, every_difference: bool = Fals
         if not x.shape[1] * reach * reach < limit:
             return None
         if x.dtype != torch.float64:  # float rows: autograd's gradient through cdist
-            return None, None, True
+            return None, None
         if x.shape[0] ** 2 * x.shape[1] < _CPU_FEW_DIFFERENCES:
-            return None  # torch's own differences
+            return None
     centred = x.to(torch.float64, copy=True)
     centred -= centred.mean(0)
     norms = torch.linalg.vector_norm(centred, dim=1).square()
-    if every_difference:
-        return centred, norms, True
-    return (centred, norms, False) if bool((norms < limit).all()) else None
+    return (centred, norms) if every_difference or bool((norms < limit).all()) else None
 
 
 def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tuple:
@@ -784,7 +780,7 @@ def _reference_batch_hard(x: Tensor, labels: Tensor, p: float, eps: float) -> tu
             is_positive, is_negative = _label_masks(labels[start:stop], labels, start)
             if gram:
                 positive[start:stop], negative[start:stop] = _bounded_hardest(
-                    x, *gram[:2], start, stop, eps, is_positive, is_negative)
+                    x, *gram, start, stop, eps, is_positive, is_negative)
             else:
                 d = _distances_from(x, start, stop, p, eps)
                 positive[start:stop] = _first_extreme(d, is_positive, largest=True)
@@ -798,17 +794,17 @@ class _GramDistances(torch.autograd.Function):
     """Rows start:stop of torch's pairwise_distance (p = 2) to every row from float64 Gram
     products of the centred rows (_gram_squares), 0 at the close pairs (where the products'
     rounding could reach 2^-30 of the square; returned as a mask, less the diagonal, whose
-    distances no loss reads); with every_difference (float64 rows) from every difference of the
-    centred rows, the close pairs those within sqrt(1/8) of their norms. The backward: with V =
-    grad / d, sum_j V_ij (c_i - c_j + eps) to row i and its opposite to row j, as two products
-    with the centred rows in float64 (one, of V + V^T, for the whole batch; the centring's own
-    gradient sums to 0: distances do not move with a common shift)."""
+    distances no loss reads); for float64 rows from every difference of the centred rows, the
+    close pairs those within sqrt(1/8) of their norms. The backward: with V = grad / d, sum_j
+    V_ij (c_i - c_j + eps) to row i and its opposite to row j, as two products with the centred
+    rows in float64 (one, of V + V^T, for the whole batch; the centring's own gradient sums to 0:
+    distances do not move with a common shift)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, every_difference: bool,
-                start: int, stop: int, eps: float) -> tuple:
+    def forward(ctx, x: Tensor, centred: Tensor, norms: Tensor, start: int, stop: int,
+                eps: float) -> tuple:
         ctx.start, ctx.eps = start, _torch_eps(eps, x.dtype)
-        if every_difference:  # float64 rows, centred: eps rounds at their scale, as torch's
+        if x.dtype == torch.float64:  # centred rows: eps rounds at their scale, as torch's
             roots = _every_distance(centred, start, stop, eps)
             # the products' gradient rounds with the rows' norms: torch's distance where they
             # pass 8 x its square (duplicates: only eps apart)
@@ -836,13 +832,13 @@ class _GramDistances(torch.autograd.Function):
             rows_grad = torch.addmm((by_row - by_column) * ctx.eps, weights + weights.t(),
                                     centred, alpha=-1)
             rows_grad.addcmul_(centred, by_row + by_column)
-            return rows_grad.to(grad.dtype), None, None, None, None, None, None
+            return rows_grad.to(grad.dtype), None, None, None, None, None
         # in place: fewer batch x dim temporaries (each a page-faulting allocation on CPU)
         rows_grad = torch.addmm(by_column * -ctx.eps, weights.t(), anchors, alpha=-1)
         rows_grad.addcmul_(centred, by_column)
         own = rows_grad[ctx.start:ctx.start + len(roots)]
         own.addmm_(weights, centred, alpha=-1).addcmul_(anchors, by_row).add_(by_row * ctx.eps)
-        return rows_grad.to(grad.dtype), None, None, None, None, None, None
+        return rows_grad.to(grad.dtype), None, None, None, None, None
 
 
 def _every_distance(x: Tensor, start: int, stop: int, eps: float) -> Tensor:
@@ -860,7 +856,7 @@ def _row_distances(x: Tensor, gram, start: int, stop: int, p: float, eps: float)
     close pairs, an anchor's own distance 0."""
     if gram is None:
         return _distances_from(x, start, stop, p, eps)
-    if gram[0] is None:  # few rows: autograd's gradient, the fewest operations
+    if gram[0] is None:  # float rows' every difference: autograd's gradient, fewest operations
         return _every_distance(x, start, stop, eps).to(x.dtype)
     far, close = _GramDistances.apply(x, *gram, start, stop, eps)
     rows, cols = close.nonzero(as_tuple=True)
