@@ -50,10 +50,13 @@ namespace fused_triplet {
 // ==== The mining table ====
 // Small batches keep the batch x batch exact distances whole: two kernels pick every anchor's
 // triplets (the step is a handful of launches), and batch_all keeps its weights for the
-// backward. batch_hard up to 2048 rows (16 MiB; above, the bfloat16 Gram products are cheaper
-// than exact distances); batch_all up to 4096 (its saved weights, 64 MiB, are the memory bound's
+// backward. batch_hard up to 1024 rows (above, the bfloat16 Gram products cost less than exact
+// distances: at 56520c9 (2048, 512) took 0.39 ms of GPU time whole, (4096, 512) 0.22 from the
+// products), with a reference set up to 2048 (16 MiB; references run on the whole batch's
+// kernels only); batch_all up to 4096 (its saved weights, 64 MiB, are the memory bound's
 // allowance beyond the embeddings).
-constexpr int64_t kWholeHardRows = 2048;
+constexpr int64_t kWholeHardRows = 1024;
+constexpr int64_t kWholeHardReferenceRows = 2048;
 constexpr int64_t kWholeAllRows = 4096;
 // Larger batches: a chunk x batch float buffer of at most 2^26 floats (256 MiB): the Gram
 // products stay large enough for the tensor cores, the memory bounded at any batch.
@@ -147,17 +150,19 @@ constexpr float kGramPerElementBound = 1.0f / (1 << 21);
 // 2ab <= a^2 + b^2 splits into 2^-7 n^2 a row: 2^-8 more of gram_bound.
 constexpr float kGramOutputBound = 1.0f / (1 << 8);
 
-int64_t whole_batch_rows(Mining mining) {
-  return mining == Mining::kBatchHard ? kWholeHardRows : kWholeAllRows;  // semi_hard: batch_all's
+int64_t whole_batch_rows(Mining mining) {  // semi_hard: batch_all's
+  return mining == Mining::kBatchHard ? kWholeHardReferenceRows : kWholeAllRows;
 }
 
 // hardest_kernel's blocks resident on one SM (defined with the launchers).
 int hardest_blocks_per_sm(int vector, DType dtype);
 
 MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, int sm_count,
-                       DType dtype, int64_t input_bytes, int64_t copy_bytes, bool allow_whole) {
+                       DType dtype, int64_t input_bytes, int64_t copy_bytes, bool references,
+                       bool allow_whole) {
   MiningPlan plan;
-  plan.whole = allow_whole && batch <= whole_batch_rows(mining);
+  plan.whole = allow_whole && batch <= (mining == Mining::kBatchHard && !references
+                                            ? kWholeHardRows : whole_batch_rows(mining));
   plan.gram_bound = float(dim + 16) * kGramPerElementBound + kGramOutputBound;
   plan.rounding_weight = kGramRoundingWeight;
   const int64_t hard_budget = 3 * input_bytes + kMemoryAllowance - copy_bytes -

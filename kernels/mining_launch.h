@@ -62,11 +62,13 @@ struct MiningPlan {
 
 // cc_major, sm_count: the device's compute capability and SMs; dtype: the rows the kernels read;
 // input_bytes: the embeddings' bytes as given; copy_bytes: the call's copies of them (float, unit
-// rows). allow_whole false: chunks at any batch (tests of the large batches' kernels).
+// rows); references: the call has a reference set (whole batches only). allow_whole false: chunks
+// at any batch (tests of the large batches' kernels).
 MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, int sm_count,
-                       DType dtype, int64_t input_bytes, int64_t copy_bytes,
+                       DType dtype, int64_t input_bytes, int64_t copy_bytes, bool references,
                        bool allow_whole = true);
-// The largest batch whose distances stay whole (the shape of batch_all's saved weights).
+// The largest batch whose distances can stay whole (the shape of batch_all's saved weights; a
+// reference set's limit).
 int64_t whole_batch_rows(Mining mining);
 
 // One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim),

@@ -196,7 +196,7 @@ struct MiningCall {
     const DeviceFacts facts = device_facts(embeddings.get_device());
     return plan_mining(mining, embeddings.size(0), embeddings.size(1), facts.cc_major,
                        facts.sm_count, *kernel_dtype(embeddings.scalar_type()), input_bytes,
-                       copy_bytes, allow_whole);
+                       copy_bytes, references > 0, allow_whole);
   }
   // Every anchor of the float embeddings as one chunk.
   MiningChunk whole(const at::Tensor& ids, double margin, double eps) const {

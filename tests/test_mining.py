@@ -462,7 +462,7 @@ def sorted_mining(count_labels):
 @pytest.mark.parametrize("offset,spread", [(0.0, 1.0), (1e3, 1e-2), (0.0, 1e-4)])
 def test_batch_hard_mines_the_true_extremes(offset, spread, batch):
     # Far from the origin, close together, or both: the Gram products' candidates must still be
-    # decided by the exact distance; so must the whole batch's exact distances (up to 2048 rows).
+    # decided by the exact distance; so must the whole batch's exact distances (up to 1024 rows).
     g = torch.Generator().manual_seed(11)
     x = (offset + spread * torch.randn(batch, 64, generator=g, dtype=torch.float64)).float().double()
     labels = torch.randint(0, 16, (batch,), generator=g)
