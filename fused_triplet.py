@@ -844,11 +844,16 @@ class _GramDistances(torch.autograd.Function):
         return rows_grad.to(grad.dtype), None, None, None, None, None
 
 
+def _part(t: Tensor, start: int, stop: int) -> Tensor:
+    """t[start:stop], or t itself when that is all of it (no slice, nor its backward's copy)."""
+    return t if start == 0 and stop == len(t) else t[start:stop]
+
+
 def _every_distance(x: Tensor, start: int, stop: int, eps: float) -> Tensor:
     """Rows start:stop of torch's pairwise_distance (p = 2) to every row from every difference in
     float64 (float rows' differences are exact there), without batch x batch x dim temporaries."""
     rows = x.double()
-    return torch.cdist(rows[start:stop] + _torch_eps(eps, x.dtype), rows,
+    return torch.cdist(_part(rows, start, stop) + _torch_eps(eps, x.dtype), rows,
                        compute_mode="donot_use_mm_for_euclid_dist")
 
 
@@ -933,7 +938,7 @@ def _batch_all_rows(x: Tensor, gram, labels: Tensor, start: int, stop: int, marg
     """Anchors start:stop: each one's sum of relu(margin + d_ap - d_an) over its triplets, and
     how many are > 0 (_TripletSums)."""
     d = _row_distances(x, gram, start, stop, p, eps)
-    return _TripletSums.apply(d, *_label_masks(labels[start:stop], labels, start), margin)
+    return _TripletSums.apply(d, *_label_masks(_part(labels, start, stop), labels, start), margin)
 
 
 def _reference_batch_all(x: Tensor, labels: Tensor, margin: float, p: float, eps: float) -> tuple:
