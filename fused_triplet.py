@@ -755,13 +755,13 @@ def _centred_rows(x: Tensor, p: float, eps: float, every_difference: bool = Fals
     if x.device.type != "cpu" or p != 2 or not x.shape[1] * eps * eps < limit:  # NaN fails
         return None
     if every_difference:  # |a - b + eps|^2 <= dim (2 max |x| + eps)^2
+        if x.dtype == torch.float64 and x.shape[0] ** 2 * x.shape[1] < _CPU_FEW_DIFFERENCES:
+            return None  # torch's own differences, whatever the rows' range
         reach = 2.0 * float(x.abs().amax() if x.numel() else 0) + eps
         if not x.shape[1] * reach * reach < limit:
             return None
         if x.dtype != torch.float64:  # float rows: autograd's gradient through cdist
             return None, None
-        if x.shape[0] ** 2 * x.shape[1] < _CPU_FEW_DIFFERENCES:
-            return None
     centred = x.to(torch.float64, copy=True)
     centred -= centred.mean(0)
     norms = torch.linalg.vector_norm(centred, dim=1).square()
