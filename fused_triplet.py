@@ -569,12 +569,11 @@ class ModelNew(torch.nn.Module):
 _MININGS = ("batch_hard", "batch_all")  # the ops' mining codes: 0, 1
 _MINING_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REFERENCE_CHUNK_ELEMENTS = 1 << 24  # the reference's largest per-chunk tensor (64 MiB of float)
+# The CPU path's thresholds (their measurements: docs/performance.md, "In-batch mining").
 # batch^2 x dim below which CPU mining takes every difference instead of Gram products: fewer
-# operations. batch_all's in float64 (2 cores: 0.79x at (16, 32)), below 2^18 (float64
-# differences lose to the products from about 2^19); batch_hard's torch's own, below 2^21 and
-# 80 rows (0.79x at (32, 768), 0.84-0.94x at (40, 768), (48, 512), (48, 768), (72, 256); 1.02x
-# at (64, 512), 1.53x at (64, 768); from 80 rows the products' bounds cost less: 1.08x at (96,
-# 128), 1.19x at (128, 128)); float64 rows' below 2^19 (twice the bytes; docs/performance.md)
+# operations. batch_all's in float64, below 2^18 (float64 differences lose to the products from
+# about 2^19); batch_hard's torch's own, below 2^21 and 80 rows (from 80 rows the products'
+# bounds cost less); float64 rows' below 2^19 (twice the bytes)
 _CPU_DIFFERENCES_BELOW = 1 << 18
 _CPU_HARD_DIFFERENCES_BELOW = {torch.float32: 1 << 21, torch.float64: 1 << 19}
 _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
@@ -584,11 +583,11 @@ _CPU_HARD_DIFFERENCE_ROWS_BELOW = 80
 # rows take every difference: Gram products would not reach their rounding)
 _CPU_FEW_DIFFERENCES = 1 << 17
 # batch_all's sums from this many columns search only the positives' thresholds (each row's
-# columns holding them, from a topk of the mask), not every column's: 0.72x the step at (1024,
-# 512), 0.80-0.86x at 256 rows, 0.96-0.97x at 128; the topk, sort and gathers cost 1.08x at 96
+# columns holding them, from a topk of the mask), not every column's; below, the topk, sort and
+# gathers cost more than the searches they save
 _CPU_POSITIVES_SEARCHED_FROM = 128
-# rows x batch^2 up to which batch_all's sums take every triplet one by one, fewer operations
-# than the sort and prefix sums: 0.93-0.96x the step at 16 rows, 0.97x at 20, 1.02x at 24
+# rows x batch^2 up to which batch_all's sums take every triplet one by one (20 rows): fewer
+# operations than the sort and prefix sums
 _CPU_EVERY_TRIPLET_UP_TO = 1 << 13
 
 
@@ -884,44 +883,49 @@ def _each_triplet(d: Tensor, is_positive: Tensor, is_negative: Tensor, margin: f
     return each.sum((1, 2)), (each > 0).sum((1, 2)), (passes.sum(2) - passes.sum(1)).to(d.dtype)
 
 
+def _sorted_triplet_sums(d: Tensor, is_positive: Tensor, is_negative: Tensor,
+                         margin: float) -> tuple:
+    """_each_triplet's sums, counts and weights from each row's negatives sorted by distance: the
+    negatives closer than margin + d_ij are a prefix of them, so each positive adds a count and a
+    prefix sum (O(B log B) an anchor, not B^2); a negative's weight is minus the positives whose
+    margin reaches past it. Rows with a distance that is not finite go to _each_triplet."""
+    negatives, order = torch.where(is_negative, d, math.inf).sort(1)  # the others last
+    places, thresholds, positive = None, margin + d, is_positive
+    if d.shape[1] >= _CPU_POSITIVES_SEARCHED_FROM:  # only the positives' thresholds searched:
+        # each row's k columns holding them (k the most a row has; other columns fill the rest)
+        places = is_positive.view(torch.uint8).topk(int(is_positive.sum(1).max()), 1).indices
+        places = places.sort(1).values  # in column order, as the losses' sums take them
+        thresholds, positive = thresholds.gather(1, places), is_positive.gather(1, places)
+    counts = torch.searchsorted(negatives, thresholds).mul_(positive)  # negatives < it
+    prefix = torch.nn.functional.pad(negatives.cumsum(1), (1, 0))
+    losses = (counts * thresholds - prefix.gather(1, counts)).sum(1)  # 0 where counts are
+    active = counts.sum(1)
+    # the negative at sorted place r takes minus the positives whose count passes r
+    reached = torch.zeros_like(prefix, dtype=counts.dtype).scatter_add_(
+        1, counts, torch.ones_like(counts)).cumsum_(1)  # counts <= r
+    passing = torch.empty_like(order).scatter_(1, order, counts.shape[1] - reached[:, :-1])
+    weights = (counts - passing if places is None else
+               passing.neg_().scatter_add_(1, places, counts)).to(d.dtype)
+    if not math.isfinite(d.sum()):  # rows with a distance that is not finite
+        finite = torch.where(is_positive | is_negative, d, 0.0).isfinite().all(1)
+        rows = (~finite).nonzero()[:, 0]
+        losses[rows], active[rows], weights[rows] = _each_triplet(
+            d[rows], is_positive[rows], is_negative[rows], margin)
+    return losses, active, weights
+
+
 class _TripletSums(torch.autograd.Function):
     """Per anchor row of d: the sum of relu(margin + d_ij - d_ik) over its triplets (positive j,
-    negative k) and how many are > 0. The negatives closer than margin + d_ij are a prefix of
-    the anchor's negatives sorted by distance, so each positive adds a count and a prefix sum:
-    O(B log B) an anchor, not B^2. The backward is the anchor's gradient times each entry's
-    count (a positive's negatives inside its margin; minus, for a negative, the positives whose
-    margin reaches past it). Small batches, and rows with a distance that is not finite, take
-    every triplet one by one (_each_triplet)."""
+    negative k) and how many are > 0, triplet by triplet in small batches, else from sorted
+    rows (_sorted_triplet_sums). The backward is the anchor's gradient times each entry's count
+    (a positive's negatives inside its margin; minus, for a negative, the positives whose margin
+    reaches past it)."""
 
     @staticmethod
     def forward(ctx, d: Tensor, is_positive: Tensor, is_negative: Tensor, margin: float) -> tuple:
-        if d.shape[0] * d.shape[1] ** 2 <= _CPU_EVERY_TRIPLET_UP_TO:
-            losses, active, weights = _each_triplet(d, is_positive, is_negative, margin)
-            ctx.save_for_backward(weights)
-            ctx.mark_non_differentiable(active)
-            return losses, active
-        negatives, order = torch.where(is_negative, d, math.inf).sort(1)  # the others last
-        places, thresholds, positive = None, margin + d, is_positive
-        if d.shape[1] >= _CPU_POSITIVES_SEARCHED_FROM:  # only the positives' thresholds searched:
-            # each row's k columns holding them (k the most a row has; other columns fill the rest)
-            places = is_positive.view(torch.uint8).topk(int(is_positive.sum(1).max()), 1).indices
-            places = places.sort(1).values  # in column order, as the losses' sums take them
-            thresholds, positive = thresholds.gather(1, places), is_positive.gather(1, places)
-        counts = torch.searchsorted(negatives, thresholds).mul_(positive)  # negatives < it
-        prefix = torch.nn.functional.pad(negatives.cumsum(1), (1, 0))
-        losses = (counts * thresholds - prefix.gather(1, counts)).sum(1)  # 0 where counts are
-        active = counts.sum(1)
-        # the negative at sorted place r takes minus the positives whose count passes r
-        reached = torch.zeros_like(prefix, dtype=counts.dtype).scatter_add_(
-            1, counts, torch.ones_like(counts)).cumsum_(1)  # counts <= r
-        passing = torch.empty_like(order).scatter_(1, order, counts.shape[1] - reached[:, :-1])
-        weights = (counts - passing if places is None else
-                   passing.neg_().scatter_add_(1, places, counts)).to(d.dtype)
-        if not math.isfinite(d.sum()):  # rows with a distance that is not finite
-            finite = torch.where(is_positive | is_negative, d, 0.0).isfinite().all(1)
-            rows = (~finite).nonzero()[:, 0]
-            losses[rows], active[rows], weights[rows] = _each_triplet(
-                d[rows], is_positive[rows], is_negative[rows], margin)
+        small = d.shape[0] * d.shape[1] ** 2 <= _CPU_EVERY_TRIPLET_UP_TO
+        losses, active, weights = (_each_triplet if small else _sorted_triplet_sums)(
+            d, is_positive, is_negative, margin)
         ctx.save_for_backward(weights)
         ctx.mark_non_differentiable(active)
         return losses, active

@@ -50,11 +50,10 @@ namespace fused_triplet {
 // ==== The mining table ====
 // Small batches keep the batch x batch exact distances whole: two kernels pick every anchor's
 // triplets (the step is a handful of launches), and batch_all keeps its weights for the
-// backward. batch_hard up to 1024 rows (above, the bfloat16 Gram products cost less than exact
-// distances: (2048, 512) 0.14 ms of GPU time from the products against 0.39 whole, on an H100),
-// with a reference set up to 2048 (16 MiB; references run on the whole batch's
-// kernels only); batch_all up to 4096 (its saved weights, 64 MiB, are the memory bound's
-// allowance beyond the embeddings).
+// backward. batch_hard up to 1024 rows (above, the bfloat16 Gram products cost less than every
+// exact distance; up to it the whole batch's step is fewer launches), with a reference set up to
+// 2048 (16 MiB; references run on the whole batch's kernels only); batch_all up to 4096 (its
+// saved weights, 64 MiB, are the memory bound's allowance beyond the embeddings).
 constexpr int64_t kWholeHardRows = 1024;
 constexpr int64_t kWholeHardReferenceRows = 2048;
 constexpr int64_t kWholeAllRows = 4096;
