@@ -1564,16 +1564,30 @@ __global__ void __launch_bounds__(kRowThreads)
 // grad_m = sum_c A[m, c] (x_m - x_c + eps) - sum_i A[i, m] (x_i - x_m + eps) with A[i, c] =
 // g_i weights[i, c], written as sum_c (A[m, c] + A[c, m]) (x_m - x_c) + eps (sum_c A[m, c] -
 // A[c, m]): each difference exact before it is scaled. Tiles of 64 rows x 64 elements, the
-// columns c staged 16 at a time, as distances_kernel.
-__global__ void __launch_bounds__(kTileThreads)
+// columns c staged 16 at a time, as distances_kernel, by two halves of the block taking every
+// other step (twice the warps an SM: at users' batches the grid is about a block an SM), the
+// second half's sums added to the first's at the end.
+constexpr int kGradientHalves = 2;
+struct AllGradientShared {
+  struct Step {
+    float from_rows[kTileDepth][kTile + 4];     // A[m, c]
+    float from_columns[kTileDepth][kTile + 4];  // A[c, m]
+    float candidates[kTileDepth][kTile + 4];    // x_c
+  };
+  union {
+    Step steps[kGradientHalves];
+    float4 second_half[5][kTileThreads];  // its acc rows, then its skews
+  };
+};
+__global__ void __launch_bounds__(kTileThreads * kGradientHalves)
     all_gradient_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
-  __shared__ __align__(16) float from_rows[kTileDepth][kTile + 4];  // A[m, c]
-  __shared__ __align__(16) float from_columns[kTileDepth][kTile + 4];  // A[c, m]
-  __shared__ __align__(16) float candidates[kTileDepth][kTile + 4];  // x_c
+  __shared__ __align__(16) AllGradientShared sh;
   const float* x = rows_of<float>(chunk);
   const int64_t batch = chunk.batch, dim = chunk.dim;
-  const int tx = threadIdx.x % (kTile / 4), ty = threadIdx.x / (kTile / 4);
+  const int half = threadIdx.x / kTileThreads, t = threadIdx.x % kTileThreads;
+  const int tx = t % (kTile / 4), ty = t / (kTile / 4);
   const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
+  AllGradientShared::Step& step = sh.steps[half];
   float mine[4][4], acc[4][4] = {}, skew[4] = {};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -1591,7 +1605,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const auto load = [&](int64_t c0) {
 #pragma unroll
     for (int q = 0; q < kLoads; ++q) {
-      const int e = threadIdx.x + q * kTileThreads;
+      const int e = t + q * kTileThreads;
       const int r = e / kTileDepth, cc = e % kTileDepth;  // along a row of weights
       const int64_t m = row0 + r, c = c0 + cc;
       next_rows[q] = m < batch && c < batch
@@ -1603,22 +1617,24 @@ __global__ void __launch_bounds__(kTileThreads)
       next_candidates[q] = c2 < batch && k < dim ? x[c2 * dim + k] : 0.f;
     }
   };
-  load(0);
-  for (int64_t c0 = 0; c0 < batch; c0 += kTileDepth) {
+  constexpr int64_t kStride = kGradientHalves * kTileDepth;
+  // Both halves run every round (past the batch the second loads zeros): one barrier for both.
+  load(half * kTileDepth);
+  for (int64_t c0 = 0; c0 < batch; c0 += kStride) {
 #pragma unroll
     for (int q = 0; q < kLoads; ++q) {
-      const int e = threadIdx.x + q * kTileThreads;
-      from_rows[e % kTileDepth][e / kTileDepth] = next_rows[q];
-      from_columns[e / kTile][e % kTile] = next_columns[q];
-      candidates[e / kTile][e % kTile] = next_candidates[q];
+      const int e = t + q * kTileThreads;
+      step.from_rows[e % kTileDepth][e / kTileDepth] = next_rows[q];
+      step.from_columns[e / kTile][e % kTile] = next_columns[q];
+      step.candidates[e / kTile][e % kTile] = next_candidates[q];
     }
     __syncthreads();
-    if (c0 + kTileDepth < batch) load(c0 + kTileDepth);
+    if (c0 + kStride < batch) load(c0 + kStride + half * kTileDepth);
 #pragma unroll
     for (int cc = 0; cc < kTileDepth; ++cc) {
-      const float4 a = *reinterpret_cast<const float4*>(&from_rows[cc][ty * 4]);
-      const float4 b = *reinterpret_cast<const float4*>(&from_columns[cc][ty * 4]);
-      const float4 xc = *reinterpret_cast<const float4*>(&candidates[cc][tx * 4]);
+      const float4 a = *reinterpret_cast<const float4*>(&step.from_rows[cc][ty * 4]);
+      const float4 b = *reinterpret_cast<const float4*>(&step.from_columns[cc][ty * 4]);
+      const float4 xc = *reinterpret_cast<const float4*>(&step.candidates[cc][tx * 4]);
       const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
       const float cv[4] = {xc.x, xc.y, xc.z, xc.w};
 #pragma unroll
@@ -1629,16 +1645,30 @@ __global__ void __launch_bounds__(kTileThreads)
         for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(both, mine[i][j] - cv[j], acc[i][j]);
       }
     }
-    __syncthreads();
+    __syncthreads();  // also frees the steps for second_half after the last round
   }
+  if (half == 1) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sh.second_half[i][t] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    }
+    sh.second_half[4][t] = make_float4(skew[0], skew[1], skew[2], skew[3]);
+  }
+  __syncthreads();
+  if (half == 1) return;
+  const float4 other_skew = sh.second_half[4][t];
+  const float skews[4] = {other_skew.x, other_skew.y, other_skew.z, other_skew.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t m = row0 + ty * 4 + i;
     if (m >= batch) continue;
+    const float4 o = sh.second_half[i][t];
+    const float other[4] = {o.x, o.y, o.z, o.w};
+    const float skew_m = skew[i] + skews[i];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t k = col0 + tx * 4 + j;
-      if (k < dim) grad[m * dim + k] = fmaf(chunk.eps, skew[i], acc[i][j]);
+      if (k < dim) grad[m * dim + k] = fmaf(chunk.eps, skew_m, acc[i][j] + other[j]);
     }
   }
 }
@@ -2106,7 +2136,8 @@ cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan
   } else {
     const dim3 grid((chunk.dim + plan.tile - 1) / plan.tile,
                     (chunk.batch + plan.tile - 1) / plan.tile);
-    all_gradient_kernel<<<grid, kTileThreads, 0, stream>>>(chunk, weights, upstream, grad);
+    all_gradient_kernel<<<grid, kTileThreads * kGradientHalves, 0, stream>>>(chunk, weights,
+                                                                              upstream, grad);
   }
   return cudaGetLastError();
 }
