@@ -115,6 +115,12 @@ constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per s
 // 0.73x the float kernel's step; fewer tiles leave SMs idle (1024 x 512: 1.10x), there the float
 // kernel's 64 x 64 tiles.
 constexpr int64_t kGradientMmaTiles = 128;
+// The float gradient kernel's columns c split over up to 4 blocks a tile where its tiles are
+// fewer than about a block an SM (dim 128: 32 tiles at 1024 rows), a second kernel adding the
+// parts' sums; from 512 rows (below, the step is the host's: a launch more costs more).
+constexpr int64_t kGradientColumnBlocks = 128;
+constexpr int64_t kGradientColumnPartsMax = 4;
+constexpr int64_t kGradientColumnPartsFromRows = 512;
 // semi_hard past the whole batch: its chunks' weights read for their few nonzeros (two a pair)
 // instead of multiplied out in double (B x B x D products for 2 x pairs x D terms).
 constexpr int kSparseUnroll = 8;    // ... each lane's loads in flight while it scans
@@ -200,6 +206,12 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, 
   plan.gradient_tensor_cores = cc_major >= 9 && (batch + kGradientRows - 1) / kGradientRows *
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
                                                  kGradientMmaTiles;
+  const int64_t float_tiles = ((batch + kTile - 1) / kTile) * ((dim + kTile - 1) / kTile);
+  plan.gradient_column_parts =
+      plan.gradient_tensor_cores || batch < kGradientColumnPartsFromRows
+          ? 1
+          : int(std::clamp<int64_t>((kGradientColumnBlocks + float_tiles - 1) / float_tiles, 1,
+                                    kGradientColumnPartsMax));
   plan.mean_slices = kMeanSlices;
   plan.count_labels = batch <= kCountLabelRows;
   plan.rank_slices = kRankSlices;
@@ -1566,7 +1578,8 @@ __global__ void __launch_bounds__(kRowThreads)
 // A[c, m]): each difference exact before it is scaled. Tiles of 64 rows x 64 elements, the
 // columns c staged 16 at a time, as distances_kernel, by two halves of the block taking every
 // other step (twice the warps an SM: at users' batches the grid is about a block an SM), the
-// second half's sums added to the first's at the end.
+// second half's sums added to the first's at the end. With gridDim.z parts, block z takes the
+// z-th span of the columns and writes its sums to parts[z] (sum_parts_kernel adds them).
 constexpr int kGradientHalves = 2;
 struct AllGradientShared {
   struct Step {
@@ -1580,13 +1593,17 @@ struct AllGradientShared {
   };
 };
 __global__ void __launch_bounds__(kTileThreads * kGradientHalves)
-    all_gradient_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad) {
+    all_gradient_kernel(MiningChunk chunk, const float* weights, Upstream up, float* grad,
+                        float* parts) {
   __shared__ __align__(16) AllGradientShared sh;
   const float* x = rows_of<float>(chunk);
   const int64_t batch = chunk.batch, dim = chunk.dim;
   const int half = threadIdx.x / kTileThreads, t = threadIdx.x % kTileThreads;
   const int tx = t % (kTile / 4), ty = t / (kTile / 4);
   const int64_t row0 = int64_t(blockIdx.y) * kTile, col0 = int64_t(blockIdx.x) * kTile;
+  constexpr int64_t kStride = kGradientHalves * kTileDepth;
+  const int64_t span = ((batch + gridDim.z - 1) / gridDim.z + kStride - 1) / kStride * kStride;
+  const int64_t begin = int64_t(blockIdx.z) * span, end = std::min(batch, begin + span);
   AllGradientShared::Step& step = sh.steps[half];
   float mine[4][4], acc[4][4] = {}, skew[4] = {};
 #pragma unroll
@@ -1608,19 +1625,18 @@ __global__ void __launch_bounds__(kTileThreads * kGradientHalves)
       const int e = t + q * kTileThreads;
       const int r = e / kTileDepth, cc = e % kTileDepth;  // along a row of weights
       const int64_t m = row0 + r, c = c0 + cc;
-      next_rows[q] = m < batch && c < batch
+      next_rows[q] = m < batch && c < end
                          ? (per_anchor ? up.grad[m] : g_all) * weights[m * batch + c] : 0.f;
       const int r2 = e % kTile, cc2 = e / kTile;  // along a column
       const int64_t m2 = row0 + r2, c2 = c0 + cc2, k = col0 + r2;
-      next_columns[q] = m2 < batch && c2 < batch
+      next_columns[q] = m2 < batch && c2 < end
                             ? (per_anchor ? up.grad[c2] : g_all) * weights[c2 * batch + m2] : 0.f;
-      next_candidates[q] = c2 < batch && k < dim ? x[c2 * dim + k] : 0.f;
+      next_candidates[q] = c2 < end && k < dim ? x[c2 * dim + k] : 0.f;
     }
   };
-  constexpr int64_t kStride = kGradientHalves * kTileDepth;
-  // Both halves run every round (past the batch the second loads zeros): one barrier for both.
-  load(half * kTileDepth);
-  for (int64_t c0 = 0; c0 < batch; c0 += kStride) {
+  // Both halves run every round (past the span the second loads zeros): one barrier for both.
+  load(begin + half * kTileDepth);
+  for (int64_t c0 = begin; c0 < end; c0 += kStride) {
 #pragma unroll
     for (int q = 0; q < kLoads; ++q) {
       const int e = t + q * kTileThreads;
@@ -1629,7 +1645,7 @@ __global__ void __launch_bounds__(kTileThreads * kGradientHalves)
       step.candidates[e / kTile][e % kTile] = next_candidates[q];
     }
     __syncthreads();
-    if (c0 + kStride < batch) load(c0 + kStride + half * kTileDepth);
+    if (c0 + kStride < end) load(c0 + kStride + half * kTileDepth);
 #pragma unroll
     for (int cc = 0; cc < kTileDepth; ++cc) {
       const float4 a = *reinterpret_cast<const float4*>(&step.from_rows[cc][ty * 4]);
@@ -1656,6 +1672,7 @@ __global__ void __launch_bounds__(kTileThreads * kGradientHalves)
   }
   __syncthreads();
   if (half == 1) return;
+  float* out = gridDim.z == 1 ? grad : parts + int64_t(blockIdx.z) * batch * dim;
   const float4 other_skew = sh.second_half[4][t];
   const float skews[4] = {other_skew.x, other_skew.y, other_skew.z, other_skew.w};
 #pragma unroll
@@ -1668,8 +1685,19 @@ __global__ void __launch_bounds__(kTileThreads * kGradientHalves)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t k = col0 + tx * 4 + j;
-      if (k < dim) grad[m * dim + k] = fmaf(chunk.eps, skew_m, acc[i][j] + other[j]);
+      if (k < dim) out[m * dim + k] = fmaf(chunk.eps, skew_m, acc[i][j] + other[j]);
     }
+  }
+}
+
+// out = the sum of count parts of n floats each, in part order (deterministic).
+__global__ void __launch_bounds__(kRowThreads)
+    sum_parts_kernel(const float* parts, int count, int64_t n, float* out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    float sum = parts[i];
+    for (int part = 1; part < count; ++part) sum += parts[part * n + i];
+    out[i] = sum;
   }
 }
 
@@ -2122,8 +2150,8 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
 }
 
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                const float* weights, const Upstream& upstream, float* grad,
-                                cudaStream_t stream) {
+                                const float* weights, const Upstream& upstream, float* partials,
+                                float* grad, cudaStream_t stream) {
   if (!float_rows(chunk)) return cudaErrorInvalidValue;
   if (plan.gradient_tensor_cores) {
     const dim3 grid((chunk.dim + kGradientCols - 1) / kGradientCols,
@@ -2134,10 +2162,19 @@ cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan
     all_gradient_mma_kernel<<<grid, kGradientThreads, bytes, stream>>>(chunk, weights, upstream,
                                                                        grad);
   } else {
+    const int parts = plan.gradient_column_parts;
+    if (parts > 1 && partials == nullptr) return cudaErrorInvalidValue;
     const dim3 grid((chunk.dim + plan.tile - 1) / plan.tile,
-                    (chunk.batch + plan.tile - 1) / plan.tile);
-    all_gradient_kernel<<<grid, kTileThreads * kGradientHalves, 0, stream>>>(chunk, weights,
-                                                                              upstream, grad);
+                    (chunk.batch + plan.tile - 1) / plan.tile, parts);
+    all_gradient_kernel<<<grid, kTileThreads * kGradientHalves, 0, stream>>>(
+        chunk, weights, upstream, grad, partials);
+    if (parts > 1) {
+      const cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      const int64_t n = chunk.batch * chunk.dim;
+      const int64_t blocks = std::min<int64_t>((n + kRowThreads - 1) / kRowThreads, 4096);
+      sum_parts_kernel<<<unsigned(blocks), kRowThreads, 0, stream>>>(partials, parts, n, grad);
+    }
   }
   return cudaGetLastError();
 }

@@ -54,6 +54,7 @@ struct MiningPlan {
   int gradient_rows_per_warp;  // batch_hard's gradient: rows each warp writes
   bool gradient_sorted_choices;  // ... from the choices sorted by row (else each block scans them)
   bool gradient_tensor_cores;  // batch_all's whole-batch gradient: double products on tensor cores
+  int gradient_column_parts;   // ... else the float kernel's columns split over this many blocks
   bool sparse_gradient;   // past the whole batch: the chunks' weights read for their nonzeros
   int mean_slices;        // the Gram products' centre: slices of rows summed apart
   bool count_labels;      // batch_hard's label order by counting compares (else sorted tiles)
@@ -181,10 +182,12 @@ cudaError_t launch_batch_all(const MiningChunk& chunk, const MiningPlan& plan, c
                              float* weights, double* weight_sums, cudaStream_t stream);
 
 // batch_all's gradient of the embeddings (float [batch, dim]) from the whole batch's weights
-// [batch, batch] (launch_batch_all's without the upstream gradient, applied here).
+// [batch, batch] (launch_batch_all's without the upstream gradient, applied here). partials:
+// [plan.gradient_column_parts, batch, dim] float scratch where the plan splits the columns (else
+// unused).
 cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan,
-                                const float* weights, const Upstream& upstream, float* grad,
-                                cudaStream_t stream);
+                                const float* weights, const Upstream& upstream, float* partials,
+                                float* grad, cudaStream_t stream);
 
 // semi_hard's gradient past the whole batch: out [batch, dim] double (zeros before the first
 // chunk) gets a chunk's rows of weights [chunk.rows, batch] (launch_batch_all's, upstream applied):

@@ -491,7 +491,11 @@ at::Tensor mined_loss_backward_cuda(const at::Tensor& grad_in, const at::Tensor&
         call.stream));
   } else if (saved == Saved::kWeights) {
     out = at::empty(embeddings.sizes(), call.floats);
+    const int64_t parts = plan.gradient_column_parts;
+    const at::Tensor partials =
+        parts > 1 ? at::empty({parts, batch, embeddings.size(1)}, call.floats) : at::Tensor();
     C10_CUDA_CHECK(launch_all_gradient(all, plan, state.data_ptr<float>(), up,
+                                       partials.defined() ? partials.data_ptr<float>() : nullptr,
                                        out.data_ptr<float>(), call.stream));
   } else if (saved == Saved::kGradient) {  // the upstream gradient as upstream_of applies it
     const at::Tensor scale = reduction == kMean ? grad / count.clamp_min(1.0) : grad;

@@ -420,7 +420,7 @@ def test_batch_hard_gradient_on_cpu_as_accurate_as_torch_on_gathered_rows(kind, 
 @pytest.mark.parametrize("mining,reduction", list(itertools.product(MININGS, REDUCTIONS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch,dim,classes", [(64, 32, 8), (257, 33, 20), (300, 7, 2),
-                                                (40, 128, 1), (1, 16, 1)])
+                                                (40, 128, 1), (1, 16, 1), (650, 24, 40)])
 def test_kernels_match_the_reference(mining, reduction, dtype, batch, dim, classes):
     # Against float64, at least as close as torch's reference in float32 (or a few ulps of the
     # result), for the loss and for the gradient of a different weight per anchor.
