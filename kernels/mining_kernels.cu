@@ -28,9 +28,10 @@
 //   sparse_rows_gradient_kernel, sparse_columns_gradient_kernel
 //                         semi_hard's gradient past the whole batch from a chunk's weights,
 //                         their few nonzeros a row read as they are.
-//   all_gradient_kernel, all_gradient_mma_kernel
+//   all_gradient_kernel, all_gradient_mma_kernel, gradient_parts_kernel
 //                         batch_all's gradient from the whole batch's weights, tiled: exact
-//                         differences in float, or (more tiles) double tensor-core products.
+//                         differences in float (few tiles: the columns in parts, then their
+//                         sum), or (more tiles) double tensor-core products.
 //   mined_total_kernel    'mean' / 'sum' and the count, one block.
 //   unit_rows_kernel, unit_rows_backward_kernel
 //                         the rows scaled to unit length (the libraries' normalised
@@ -206,7 +207,8 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, 
   plan.gradient_tensor_cores = cc_major >= 9 && (batch + kGradientRows - 1) / kGradientRows *
                                                      ((dim + kGradientCols - 1) / kGradientCols) >=
                                                  kGradientMmaTiles;
-  const int64_t float_tiles = ((batch + kTile - 1) / kTile) * ((dim + kTile - 1) / kTile);
+  const int64_t float_tiles =
+      std::max<int64_t>(((batch + kTile - 1) / kTile) * ((dim + kTile - 1) / kTile), 1);
   plan.gradient_column_parts =
       plan.gradient_tensor_cores || batch < kGradientColumnPartsFromRows
           ? 1
@@ -1579,7 +1581,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // columns c staged 16 at a time, as distances_kernel, by two halves of the block taking every
 // other step (twice the warps an SM: at users' batches the grid is about a block an SM), the
 // second half's sums added to the first's at the end. With gridDim.z parts, block z takes the
-// z-th span of the columns and writes its sums to parts[z] (sum_parts_kernel adds them).
+// z-th span of the columns and writes its sums to parts[z] (gradient_parts_kernel adds them).
 constexpr int kGradientHalves = 2;
 struct AllGradientShared {
   struct Step {
@@ -1692,7 +1694,7 @@ __global__ void __launch_bounds__(kTileThreads * kGradientHalves)
 
 // out = the sum of count parts of n floats each, in part order (deterministic).
 __global__ void __launch_bounds__(kRowThreads)
-    sum_parts_kernel(const float* parts, int count, int64_t n, float* out) {
+    gradient_parts_kernel(const float* parts, int count, int64_t n, float* out) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     float sum = parts[i];
@@ -2173,7 +2175,8 @@ cudaError_t launch_all_gradient(const MiningChunk& chunk, const MiningPlan& plan
       if (err != cudaSuccess) return err;
       const int64_t n = chunk.batch * chunk.dim;
       const int64_t blocks = std::min<int64_t>((n + kRowThreads - 1) / kRowThreads, 4096);
-      sum_parts_kernel<<<unsigned(blocks), kRowThreads, 0, stream>>>(partials, parts, n, grad);
+      gradient_parts_kernel<<<unsigned(blocks), kRowThreads, 0, stream>>>(partials, parts, n,
+                                                                          grad);
     }
   }
   return cudaGetLastError();

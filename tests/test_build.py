@@ -127,7 +127,7 @@ def test_few_kernels_no_spills_and_no_stack(build_log):
               "column_sums_kernel", "column_means_kernel", "label_ranks_kernel",
               "label_order_kernel", "label_tiles_kernel", "label_merge_kernel",
               "sparse_rows_gradient_kernel", "sparse_columns_gradient_kernel",
-              "thread_spreads_kernel")
+              "thread_spreads_kernel", "gradient_parts_kernel")
     for arch in archs:
         count = sum(1 for name, a in kernels if a == arch and not any(m in name for m in mining))
         assert 40 <= count <= 100, f"{count} triplet kernel functions for {arch}"
@@ -135,12 +135,13 @@ def test_few_kernels_no_spills_and_no_stack(build_log):
         # rows (27: its Gram rows, hardest_kernel in two load widths (16-byte loads where the
         # Gram rows are aligned), the exact distances, hard_loss_kernel picking its triplets or
         # taking hardest_kernel's, its gradient by scans or from the sorted choices, the rows'
-        # column sums); 18 on float32 rows or none: the Gram distances, batch_all_kernel for the
+        # column sums); 19 on float32 rows or none: the Gram distances, batch_all_kernel for the
         # plain rule, the general one and semi_hard; the unit rows forward and backward;
-        # batch_all's centred rows, its gradient in float and on the tensor cores; semi_hard's
+        # batch_all's centred rows, its gradient in float (and its column parts' sum) and on the
+        # tensor cores; semi_hard's
         # sparse gradient (rows, columns); the rows' mean's second step, batch_hard's label order
         # in two by counting or in two by sorted tiles and its threads' spreads, the reduction
-        assert sum(1 for name, a in kernels if a == arch and any(m in name for m in mining)) == 45
+        assert sum(1 for name, a in kernels if a == arch and any(m in name for m in mining)) == 46
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                        build_log)
     assert len(props) >= len(kernels)
