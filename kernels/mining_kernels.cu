@@ -118,7 +118,7 @@ constexpr int kHitSlots = 1024;       // ... (anchor, row) pairs collected per s
 constexpr int64_t kGradientMmaTiles = 128;
 // The float gradient kernel's columns c split over up to 4 blocks a tile where its tiles are
 // fewer than about a block an SM (dim 128: 32 tiles at 1024 rows), a second kernel adding the
-// parts' sums; from 512 rows (below, the step is the host's: a launch more costs more).
+// parts' sums; from 512 rows (below, a step is the host's: no launch is added there).
 constexpr int64_t kGradientColumnBlocks = 128;
 constexpr int64_t kGradientColumnPartsMax = 4;
 constexpr int64_t kGradientColumnPartsFromRows = 512;
