@@ -366,7 +366,9 @@ def _mined_loss_backward_fake(grad, embeddings, labels, count, state, mining, ma
 
 
 _TRIPLET_OP = None  # torch.ops.fused_triplet.triplet_margin_loss.default, once loaded
-_MINING_WHOLE_ROWS = []  # per mining, the largest batch its kernels keep whole (from the plan)
+# per mining, the largest batch whose kernels stay whole with a reference set (from the plan;
+# batch_all's whole batch, its saved weights, the same without one)
+_MINING_WHOLE_ROWS = []
 
 
 def _after_load(path: str) -> None:

@@ -156,8 +156,9 @@ constexpr float kGramPerElementBound = 1.0f / (1 << 21);
 // 2ab <= a^2 + b^2 splits into 2^-7 n^2 a row: 2^-8 more of gram_bound.
 constexpr float kGramOutputBound = 1.0f / (1 << 8);
 
-int64_t whole_batch_rows(Mining mining) {  // semi_hard: batch_all's
-  return mining == Mining::kBatchHard ? kWholeHardReferenceRows : kWholeAllRows;
+int64_t whole_batch_rows(Mining mining, bool references) {  // semi_hard: batch_all's
+  if (mining != Mining::kBatchHard) return kWholeAllRows;
+  return references ? kWholeHardReferenceRows : kWholeHardRows;
 }
 
 // hardest_kernel's blocks resident on one SM (defined with the launchers).
@@ -167,8 +168,7 @@ MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, 
                        DType dtype, int64_t input_bytes, int64_t copy_bytes, bool references,
                        bool allow_whole) {
   MiningPlan plan;
-  plan.whole = allow_whole && batch <= (mining == Mining::kBatchHard && !references
-                                            ? kWholeHardRows : whole_batch_rows(mining));
+  plan.whole = allow_whole && batch <= whole_batch_rows(mining, references);
   plan.gram_bound = float(dim + 16) * kGramPerElementBound + kGramOutputBound;
   plan.rounding_weight = kGramRoundingWeight;
   const int64_t hard_budget = 3 * input_bytes + kMemoryAllowance - copy_bytes -

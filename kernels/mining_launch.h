@@ -68,9 +68,9 @@ struct MiningPlan {
 MiningPlan plan_mining(Mining mining, int64_t batch, int64_t dim, int cc_major, int sm_count,
                        DType dtype, int64_t input_bytes, int64_t copy_bytes, bool references,
                        bool allow_whole = true);
-// The largest batch whose distances can stay whole (the shape of batch_all's saved weights; a
-// reference set's limit).
-int64_t whole_batch_rows(Mining mining);
+// The largest batch whose distances stay whole, with or without a reference set (the shape of
+// batch_all's saved weights; a reference set's limit).
+int64_t whole_batch_rows(Mining mining, bool references);
 
 // One chunk of anchors [first, first + rows) against all `batch` embeddings (batch, dim),
 // contiguous, read as float (2-byte ones cast exactly): batch_hard's kernels take them as given,

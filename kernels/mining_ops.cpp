@@ -104,9 +104,9 @@ void check_mining(const at::Tensor& embeddings, const at::Tensor& labels, Mining
               "fused_triplet mining: references must be 0, or at most the rows given "
               "(batch_hard and batch_all), got ", std::to_string(references));
   // a reference set runs on the whole batch's kernels only
-  TORCH_CHECK(references == 0 || embeddings.size(0) <= whole_batch_rows(mining),
+  TORCH_CHECK(references == 0 || embeddings.size(0) <= whole_batch_rows(mining, true),
               "fused_triplet mining: a reference set needs batch + references <= ",
-              std::to_string(whole_batch_rows(mining)), ", got ",
+              std::to_string(whole_batch_rows(mining, true)), ", got ",
               std::to_string(embeddings.size(0)));
 }
 
@@ -147,9 +147,11 @@ Saved check_backward_inputs(const at::Tensor& grad, const at::Tensor& count,
                        : shaped(4, batch, at::kDouble)),
               "fused_triplet mining: the state is not the forward's: ", state.scalar_type(), " ",
               shape_text(state));
-  TORCH_CHECK(saved != Saved::kWeights || batch <= whole_batch_rows(mining),
+  // saved states are batch_all's (and semi_hard's), whose whole batch a reference set leaves as is
+  const int64_t whole_rows = whole_batch_rows(mining, false);
+  TORCH_CHECK(saved != Saved::kWeights || batch <= whole_rows,
               "fused_triplet mining: saved weights for a batch the plan does not keep whole");
-  TORCH_CHECK(saved != Saved::kGradient || batch > whole_batch_rows(mining),
+  TORCH_CHECK(saved != Saved::kGradient || batch > whole_rows,
               "fused_triplet mining: a saved gradient for a batch the plan keeps whole");
   return saved;
 }
@@ -613,7 +615,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mine_batch_hard_cuda(const at::Te
   return {at::where(valid, picks[0], anchors), at::where(valid, picks[1], anchors), valid};
 }
 
-int64_t mining_whole_rows(int64_t mining) { return whole_batch_rows(mining_of(mining)); }
+int64_t mining_whole_rows(int64_t mining) {
+  return whole_batch_rows(mining_of(mining), /*references=*/true);
+}
 
 }  // namespace
 }  // namespace fused_triplet

@@ -138,9 +138,9 @@ def test_few_kernels_no_spills_and_no_stack(build_log):
         # column sums); 19 on float32 rows or none: the Gram distances, batch_all_kernel for the
         # plain rule, the general one and semi_hard; the unit rows forward and backward;
         # batch_all's centred rows, its gradient in float (and its column parts' sum) and on the
-        # tensor cores; semi_hard's
-        # sparse gradient (rows, columns); the rows' mean's second step, batch_hard's label order
-        # in two by counting or in two by sorted tiles and its threads' spreads, the reduction
+        # tensor cores; semi_hard's sparse gradient (rows, columns); the rows' mean's second step,
+        # batch_hard's label order in two by counting or in two by sorted tiles and its threads'
+        # spreads, the reduction
         assert sum(1 for name, a in kernels if a == arch and any(m in name for m in mining)) == 46
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
                        build_log)
